@@ -1,0 +1,216 @@
+"""Engine: one model, one KV cache, a scheduler, and the thread that steps them.
+
+`Engine.load()` validates and loads; `submit()` queues a request from any thread and returns at
+once; outputs arrive through the request's `on_output` callback, called on the engine thread.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.batch import ForwardBatch
+from engine.errors import ConfigError
+from engine.kv_cache import KV_DTYPES, KVCache
+from engine.model import Transformer
+from engine.quant import DTYPES
+from engine.request import Request, Status, StepOutput
+from engine.sampling import SamplingParams, choose, make_generator
+from engine.scheduler import Scheduler
+from engine.tokenizer import Tokenizer
+from engine.weights import ModelFiles, open_model
+
+log = logging.getLogger("tandem.engine")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str | None = None  # path, or None / "default" for the embedded SmolLM2
+    dtype: str = "f32"
+    ctx_size: int = 4096  # total positions, split evenly across the slots
+    parallel: int = 1
+    batch_size: int = 2048
+    ubatch_size: int = 512
+    cache_type: str = "f32"
+    threads: int | None = None
+    chat_template: str | None = None
+
+    def __post_init__(self) -> None:
+        rules = [
+            (self.dtype in DTYPES, "dtype", f"must be one of {', '.join(DTYPES)}"),
+            (self.cache_type in KV_DTYPES, "cache_type", f"must be one of {', '.join(KV_DTYPES)}"),
+            (self.parallel >= 1, "parallel", "must be >= 1"),
+            (self.ctx_size >= self.parallel, "ctx_size", f"must be at least parallel={self.parallel}"),
+            (self.ubatch_size >= 1, "ubatch_size", "must be >= 1"),
+            (self.batch_size >= self.parallel, "batch_size", f"must be at least parallel={self.parallel}"),
+            (self.threads is None or self.threads >= 1, "threads", "must be >= 1"),
+        ]
+        for ok, name, rule in rules:
+            if not ok:
+                raise ConfigError(f"{name}={getattr(self, name)!r}: {rule}")
+
+    @property
+    def ctx_per_slot(self) -> int:
+        return self.ctx_size // self.parallel
+
+
+@dataclass
+class Engine:
+    config: EngineConfig
+    files: ModelFiles
+    model: Transformer
+    tokenizer: Tokenizer
+    cache: KVCache
+    scheduler: Scheduler
+    eos_ids: frozenset[int]
+    _inbox: "queue.SimpleQueue" = field(default_factory=queue.SimpleQueue)
+    _wake: threading.Event = field(default_factory=threading.Event)
+    _thread: threading.Thread | None = None
+    _stopping: bool = False
+
+    @classmethod
+    def load(cls, config: EngineConfig) -> "Engine":
+        if config.threads:
+            torch.set_num_threads(config.threads)
+        files = open_model(config.model)  # headers only: every config error is raised here
+        mc = files.config
+        if config.ctx_per_slot > mc.max_position_embeddings:
+            log.warning("ctx per slot %d exceeds the model's trained context %d",
+                        config.ctx_per_slot, mc.max_position_embeddings)
+        tokenizer = Tokenizer.load(files, config.chat_template)
+        t0 = time.perf_counter()
+        model = Transformer(mc, files.load_tensors(), config.dtype,
+                            max_positions=max(config.ctx_per_slot, mc.max_position_embeddings))
+        log.info("loaded %s (%s, %s) in %.1f s", files.path, mc.family, config.dtype, time.perf_counter() - t0)
+        cache = KVCache(mc.num_layers, config.parallel, config.ctx_per_slot, mc.num_kv_heads, mc.head_dim,
+                        KV_DTYPES[config.cache_type])
+        log.info("KV cache: %d layers (%d dense) x %d slots x %d ctx = %.0f MiB", mc.num_layers, mc.num_layers,
+                 config.parallel, config.ctx_per_slot, cache.nbytes / 2**20)
+        eos = set(mc.eos_token_ids)
+        if tokenizer.eos_token_id is not None:
+            eos.add(tokenizer.eos_token_id)
+        scheduler = Scheduler(config.parallel, config.ctx_per_slot, config.batch_size, config.ubatch_size)
+        return cls(config, files, model, tokenizer, cache, scheduler, frozenset(eos))
+
+    # -- any thread ---------------------------------------------------------------------------
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams, on_output, *, request_id: str | None = None,
+               cache_prompt: bool = True, slot_id: int | None = None) -> Request:
+        """Queue a request; the caller has validated it fits (see check_prompt)."""
+        req = Request(request_id or uuid.uuid4().hex, list(prompt_ids), params, on_output,
+                      cache_prompt=cache_prompt, slot_id=slot_id, generator=make_generator(params.seed))
+        self._inbox.put(("add", req))
+        self._wake.set()
+        return req
+
+    def cancel(self, request: Request) -> None:
+        self._inbox.put(("cancel", request))
+        self._wake.set()
+
+    def check_prompt(self, n_prompt: int, max_tokens: int) -> None:
+        """Raise ConfigError unless a prompt of n_prompt tokens and max_tokens fit one slot."""
+        ctx = self.config.ctx_per_slot
+        if n_prompt < 1:
+            raise ConfigError("prompt: must contain at least one token")
+        if n_prompt >= ctx:
+            raise ConfigError(f"prompt has {n_prompt} tokens: the slot context is {ctx} (leave room to generate)")
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="tandem-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopping = True
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+
+    def generate(self, prompt_ids: list[int], params: SamplingParams, **kwargs):
+        """Yield the StepOutputs of one request; steps inline when no engine thread runs."""
+        outputs: queue.SimpleQueue = queue.SimpleQueue()
+        self.submit(prompt_ids, params, outputs.put, **kwargs)
+        while True:
+            if self._thread is None and outputs.empty():
+                self._drain_inbox()
+                self.step()
+                continue
+            out = outputs.get()
+            yield out
+            if out.finished:
+                return
+
+    # -- engine thread --------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stopping:
+            self._drain_inbox()
+            if not self.scheduler.has_work():
+                self._wake.wait(timeout=0.5)
+                self._wake.clear()
+                continue
+            self.step()
+
+    def _drain_inbox(self) -> None:
+        while not self._inbox.empty():
+            kind, req = self._inbox.get()
+            if kind == "add":
+                self.scheduler.add(req)
+            elif req.status is not Status.FINISHED:
+                self._finish(req, "cancelled")
+                req.on_output(StepOutput(req, [], True))
+
+    def step(self) -> None:
+        """One forward over every active slot, then one sampled token per slot whose row ends a prompt
+        or decodes."""
+        planned = self.scheduler.plan(time.perf_counter())
+        if not planned:
+            return
+        batch = ForwardBatch.build([p.row for p in planned])
+        hidden = self.model(batch, self.cache)
+        ends = batch.last_token_indices()
+        sampled = [i for i, p in enumerate(planned) if p.samples]
+        logits = self.model.logits(hidden[ends[sampled]]) if sampled else None
+        for p in planned:
+            self.scheduler.commit(p.request, p.row.tokens)
+        now = time.perf_counter()
+        for j, i in enumerate(sampled):
+            req = planned[i].request
+            token = choose(logits[j], req.params, req.all_ids, req.generator)
+            self._emit(req, token, logits[j], now)
+
+    def _emit(self, req: Request, token: int, logits: torch.Tensor, now: float) -> None:
+        if not req.t_first_token:
+            req.t_first_token = now
+        params = req.params
+        stop = token in params.stop_token_ids or (token in self.eos_ids and not params.ignore_eos)
+        new = [] if stop else [token]
+        req.output_ids.extend(new)
+        logprobs = None
+        if params.logprobs is not None:
+            logprobs = [_logprob_entry(logits, token, params.logprobs)]
+        reason = None
+        if stop:
+            reason = "stop"
+        elif len(req.output_ids) >= params.max_tokens or req.num_computed + 1 >= self.config.ctx_per_slot:
+            reason = "length"
+        if reason:
+            self._finish(req, reason)
+        req.on_output(StepOutput(req, new, reason is not None, logprobs))
+
+    def _finish(self, req: Request, reason: str) -> None:
+        req.finish_reason, req.status, req.t_finished = reason, Status.FINISHED, time.perf_counter()
+        self.scheduler.release(req)
+
+
+def _logprob_entry(logits: torch.Tensor, token: int, top: int) -> dict:
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    entry = {"token": token, "logprob": float(lp[token]), "top": []}
+    if top:
+        values, ids = lp.topk(top)
+        entry["top"] = [(int(i), float(v)) for i, v in zip(ids, values)]
+    return entry

@@ -1,0 +1,13 @@
+"""The few exceptions tandem raises for bad input; everything else is a bug."""
+
+
+class TandemError(Exception):
+    """Base of tandem's user-facing errors: the message names field, value and rule."""
+
+
+class ConfigError(TandemError):
+    """A model or server configuration breaks a rule (found before any tensor data is read)."""
+
+
+class WeightsError(TandemError):
+    """A weight file lacks a tensor, or holds one of the wrong shape."""

