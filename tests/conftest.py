@@ -1,0 +1,23 @@
+"""Fixtures shared by the whole suite. The default model loads once per test session."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+torch.set_num_threads(2)
+
+
+@pytest.fixture(scope="session")
+def default_engine():
+    """The embedded SmolLM2 in f32 with three slots, stepping inline (no engine thread)."""
+    from engine.engine import Engine, EngineConfig
+    return Engine.load(EngineConfig(model="default", dtype="f32", ctx_size=3 * 1024, parallel=3, ubatch_size=128))
+
+
+@pytest.fixture(scope="session")
+def hf_default_model():
+    """transformers' own load of the same GGUF file: the reference implementation."""
+    from transformers import AutoModelForCausalLM
+    from engine.weights import default_model_path
+    path = default_model_path()
+    return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
