@@ -1,0 +1,108 @@
+"""Tiny random models: a servable HF directory (config, seeded weights, tokenizer) from a small config.
+
+Tests and local runs use these instead of downloads. transformers completes the config and names
+the tensors, so a tiny model is exactly what transformers itself would save for that architecture,
+and the engine is checked against the real layout rather than against its own idea of it.
+
+    python -m engine.tiny --config configs/tiny/llama.json --out /tmp/tiny-llama [--seed N]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+from transformers.convert_slow_tokenizer import bytes_to_unicode
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+from engine.errors import ConfigError
+
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+# Ids follow the 256 byte tokens, in SPECIAL_TOKENS order.
+BOS_ID, EOS_ID = 256 + SPECIAL_TOKENS.index("<|im_start|>"), 256 + SPECIAL_TOKENS.index("<|im_end|>")
+TOKENIZER_SIZE = 256 + len(SPECIAL_TOKENS)
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+WEIGHT_STD = 0.02
+NORM_NOISE = 0.1  # norms are 1 + noise, so a norm applied to the wrong axis or skipped shows up
+
+
+def hf_config(config: dict) -> PretrainedConfig:
+    """transformers' complete config for `config`, with the tiny tokenizer's special-token ids."""
+    if config.get("vocab_size", 0) < TOKENIZER_SIZE:
+        raise ConfigError(f"vocab_size={config.get('vocab_size')}: must be >= the tiny tokenizer's {TOKENIZER_SIZE} tokens")
+    hf = AutoConfig.for_model(**{**config, "bos_token_id": BOS_ID, "eos_token_id": EOS_ID, "dtype": "float32"})
+    hf.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[hf.model_type]]
+    return hf
+
+
+def tensor_shapes(hf: PretrainedConfig) -> dict[str, tuple[int, ...]]:
+    """Names and shapes of the tensors transformers saves for this config (a tied head left out)."""
+    with torch.device("meta"):  # shapes only: no memory, no initialisation cost
+        model = AutoModelForCausalLM.from_config(hf)
+    shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    if hf.tie_word_embeddings:
+        shapes.pop("lm_head.weight", None)
+    return shapes
+
+
+def random_tensors(shapes: dict[str, tuple[int, ...]], seed: int) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    out = {}
+    for name in sorted(shapes):  # a fixed order, so a seed always gives the same weights
+        noise = torch.randn(shapes[name], generator=generator)
+        if name.endswith("norm.weight"):
+            out[name] = 1.0 + NORM_NOISE * noise
+        else:
+            out[name] = WEIGHT_STD * noise
+    return out
+
+
+def write_tokenizer(out: Path) -> None:
+    """Byte-level BPE over the 256 bytes with no merges: every byte is one token, nothing trained."""
+    vocab = {char: byte for byte, char in bytes_to_unicode().items()}
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens(list(SPECIAL_TOKENS))
+    tokenizer.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "unk_token": "<|endoftext|>",
+        "pad_token": "<|endoftext|>", "chat_template": CHAT_TEMPLATE,
+    }, indent=2))
+
+
+def write_tiny_model(config: dict, out: Path, seed: int = 0) -> Path:
+    """Writes config.json, model.safetensors and the tokenizer into `out`; returns `out`."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    hf = hf_config(config)
+    save_file(random_tensors(tensor_shapes(hf), seed), str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(hf.to_dict(), indent=2, sort_keys=True))
+    write_tokenizer(out)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", required=True, type=Path, help="small HF-style config (JSON)")
+    parser.add_argument("--out", required=True, type=Path, help="model directory to write")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    path = write_tiny_model(json.loads(args.config.read_text()), args.out, args.seed)
+    print(path)
+
+
+if __name__ == "__main__":
+    main()
