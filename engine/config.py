@@ -143,6 +143,8 @@ def _rope_from_hf(d: dict) -> RopeConfig:
     params = {**scaling, **params}
     theta = float(_get(params, "rope_theta", _get(d, "rope_theta", 10000.0)))
     kind = _get(params, "rope_type", _get(params, "type", "default"))
+    source = "rope_parameters" if d.get("rope_parameters") else "rope_scaling"
+    _check(kind in ROPE_KINDS, f"{source}.rope_type={kind!r}: unsupported RoPE scaling (supported: {', '.join(ROPE_KINDS)})")
     if "partial_rotary_factor" in params or "partial_rotary_factor" in d:
         factor = _get(params, "partial_rotary_factor", _get(d, "partial_rotary_factor", 1.0))
         _check(factor == 1.0, f"partial_rotary_factor={factor}: partial RoPE is not supported")
@@ -189,7 +191,8 @@ def from_hf_dict(d: dict) -> ModelConfig:
         rms_norm_eps=float(_get(d, "rms_norm_eps", 1e-6)), rope=_rope_from_hf(d),
         max_position_embeddings=int(_get(d, "max_position_embeddings", 2048)),
         tie_word_embeddings=bool(_get(d, "tie_word_embeddings", False)),
-        attention_bias=bool(_get(d, "attention_bias", family == "qwen2")),
+        # transformers fixes q/k/v biases for Qwen2 (always) and Mistral (never), whatever the key says.
+        attention_bias=family == "qwen2" or (family in ("llama", "qwen3") and bool(_get(d, "attention_bias", False))),
         mlp_bias=bool(_get(d, "mlp_bias", False)), qk_norm=family == "qwen3",
         bos_token_id=d.get("bos_token_id"), eos_token_ids=eos_ids,
         compress_ratios=tuple(d.get("compress_ratios") or ()), qsa_budget=int(_get(d, "qsa_budget", 0)),
@@ -247,7 +250,7 @@ def kv_bytes_per_token(config: ModelConfig, bytes_per_value: float) -> dict[str,
     out = {"dense": kv}
     ratios = {r for r in config.layer_ratios if r}
     for r in ratios:
-        out[f"qsa r={r}"] = kv + config.kv_size * 4 / r
+        out[f"qsa r={r}"] = kv + config.kv_size * bytes_per_value / r
     return out
 
 

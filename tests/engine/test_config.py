@@ -84,7 +84,7 @@ def test_unsupported_rope_scaling_is_refused(tiny_dirs, tmp_path):
     path = copy_with(tiny_dirs["llama"], tmp_path / "m",
                      rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0})
     assert open_error(path) == \
-        "rope_scaling.rope_type='dynamic': unsupported RoPE scaling (supported: default, linear, llama3, yarn)"
+        "rope_parameters.rope_type='dynamic': unsupported RoPE scaling (supported: default, linear, llama3, yarn)"
 
 
 def test_sliding_window_attention_is_refused(tiny_dirs, tmp_path):
