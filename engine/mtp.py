@@ -1,0 +1,136 @@
+"""The detached multi-token-prediction (MTP) draft and its file format.
+
+Depth k takes a hidden state h and the embedding of the next token: for k = 1, h is the target's
+last hidden state after its final norm (what feeds the lm_head); for k > 1, h is depth k-1's block
+output before `norm`, and the token is the one just drafted. Each layer normalises both inputs
+(`enorm`, `hnorm`), projects their concatenation [e; h] 2H -> H (`eh_proj`), runs one decoder block
+with its own KV cache, applies `norm`, and scores a frequent-token subset with its own small head;
+subset ids map back to full-vocabulary ids. A file with fewer layers than the draft length reuses
+its last layer (and that layer's cache) for the deeper steps.
+
+The file: safetensors whose metadata names the format, the layer count and the fingerprint of the
+target it was trained for; tensors `layers.{k}.{enorm,hnorm,eh_proj,norm}.weight`,
+`layers.{k}.block.<HF decoder-layer names>`, `head.weight` [K, H] and `head.vocab_ids` [K].
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from engine.batch import ForwardBatch
+from engine.config import ModelConfig
+from engine.errors import ConfigError
+from engine.model import DecoderLayer, RMSNorm
+from engine.quant import Linear, compute_dtype
+from engine.rope import rope_table
+
+FORMAT = "tandem-mtp/1"
+
+
+def target_fingerprint(config: ModelConfig, embedding: torch.Tensor) -> str:
+    """Identifies a target by its geometry and the first rows of its f32 embedding (as loaded,
+    before any weight-format conversion)."""
+    h = hashlib.sha256()
+    geometry = [config.family, config.hidden_size, config.num_layers, config.num_heads, config.num_kv_heads,
+                config.head_dim, config.vocab_size]
+    h.update(json.dumps(geometry).encode())
+    h.update(embedding[:64].float().contiguous().numpy().tobytes())
+    return h.hexdigest()[:32]
+
+
+@dataclass(frozen=True)
+class MTPHeader:
+    num_layers: int
+    hidden_size: int
+    subset_size: int
+    target_fingerprint: str
+    target_name: str
+
+
+def read_header(path: str | Path) -> MTPHeader:
+    from safetensors import safe_open
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"spec_draft_model={str(path)!r}: file does not exist")
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+            shape = f.get_slice("head.weight").get_shape() if "head.weight" in f.keys() else None
+    except Exception as e:  # safetensors raises its own error types for damaged files
+        raise ConfigError(f"spec_draft_model={str(path)!r}: not a safetensors file ({e})") from e
+    if meta.get("format") != FORMAT or shape is None:
+        raise ConfigError(f"spec_draft_model={str(path)!r}: not a tandem MTP draft (format {meta.get('format')!r}, "
+                          f"expected {FORMAT!r})")
+    return MTPHeader(int(meta["num_layers"]), int(shape[1]), int(shape[0]), meta["target_fingerprint"],
+                     meta.get("target_name", "?"))
+
+
+def check_compatible(header: MTPHeader, path, target: ModelConfig, fingerprint: str) -> None:
+    if header.hidden_size != target.hidden_size:
+        raise ConfigError(f"spec_draft_model={str(path)!r}: hidden size {header.hidden_size} does not match the "
+                          f"target's hidden_size={target.hidden_size}")
+    if header.target_fingerprint != fingerprint:
+        raise ConfigError(f"spec_draft_model={str(path)!r}: trained for another target ({header.target_name}, "
+                          f"fingerprint {header.target_fingerprint}); this target's fingerprint is {fingerprint}")
+
+
+def save(path: str | Path, tensors: dict[str, torch.Tensor], num_layers: int, fingerprint: str,
+         target_name: str, dtype: torch.dtype = torch.bfloat16) -> None:
+    from safetensors.torch import save_file
+    out = {n: (t if n == "head.vocab_ids" else t.to(dtype)).contiguous() for n, t in tensors.items()}
+    save_file(out, str(path), metadata={"format": FORMAT, "num_layers": str(num_layers),
+                                        "target_fingerprint": fingerprint, "target_name": target_name})
+
+
+def load_tensors(path: str | Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+    return {n: (t if n == "head.vocab_ids" else t.float()) for n, t in load_file(str(path)).items()}
+
+
+class MTPLayer(nn.Module):
+    def __init__(self, config: ModelConfig, t: dict, k: int, dtype: str):
+        super().__init__()
+        cdt, eps, p = compute_dtype(dtype), config.rms_norm_eps, f"layers.{k}."
+        self.enorm = RMSNorm(t[p + "enorm.weight"], eps, cdt)
+        self.hnorm = RMSNorm(t[p + "hnorm.weight"], eps, cdt)
+        self.eh_proj = Linear(t[p + "eh_proj.weight"], None, dtype)
+        # The block reads tensors under HF decoder-layer names and its own cache layer k.
+        block = {f"model.layers.{k}.{n[len(p + 'block.'):]}": v for n, v in t.items() if n.startswith(p + "block.")}
+        self.block = DecoderLayer(config, block, k, dtype)
+        self.norm = RMSNorm(t[p + "norm.weight"], eps, cdt)
+
+
+class MTPDraft(nn.Module):
+    """Built from f32 tensors of an MTP file; shares the target's embedding."""
+
+    def __init__(self, config: ModelConfig, tensors: dict[str, torch.Tensor], num_layers: int, dtype: str,
+                 max_positions: int):
+        super().__init__()
+        self.config, self.num_layers = config, num_layers
+        self.layers = nn.ModuleList(MTPLayer(config, tensors, k, dtype) for k in range(num_layers))
+        self.head = Linear(tensors["head.weight"], None, dtype)
+        self.register_buffer("vocab_ids", tensors["head.vocab_ids"].long())
+        cdt = compute_dtype(dtype)
+        cos, sin = rope_table(config.rope, config.head_dim, max_positions)
+        self.register_buffer("cos", cos.to(cdt))
+        self.register_buffer("sin", sin.to(cdt))
+
+    def layer_for_depth(self, depth: int) -> int:
+        return min(depth, self.num_layers) - 1
+
+    def forward(self, depth: int, hidden: torch.Tensor, embeddings: torch.Tensor, batch: ForwardBatch,
+                cache) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden, embeddings: [N, H] for the batch's N positions (the token at each position is the
+        next token after it). Writes this depth's layer cache. Returns (block output before norm
+        [N, H], subset logits [N, K] f32)."""
+        layer = self.layers[self.layer_for_depth(depth)]
+        x = layer.eh_proj(torch.cat([layer.enorm(embeddings), layer.hnorm(hidden)], dim=-1))
+        cos = self.cos[batch.positions].unsqueeze(1)
+        sin = self.sin[batch.positions].unsqueeze(1)
+        x = layer.block(x, batch, cos, sin, cache)
+        return x, self.head(layer.norm(x)).float()
