@@ -16,7 +16,7 @@ import torch
 
 from engine.batch import ForwardBatch
 from engine.errors import ConfigError
-from engine.kv_cache import KV_DTYPES, KVCache
+from engine.kv_cache import KV_DTYPES, KVCache, PagedKVCache
 from engine.model import Transformer
 from engine.quant import DTYPES
 from engine.request import Request, Status, StepOutput
@@ -32,11 +32,13 @@ log = logging.getLogger("tandem.engine")
 class EngineConfig:
     model: str | None = None  # path, or None / "default" for the embedded SmolLM2
     dtype: str = "f32"
-    ctx_size: int = 4096  # total positions, split evenly across the slots
+    ctx_size: int = 4096  # total positions, split evenly across the slots (or shared: kv_unified)
     parallel: int = 1
     batch_size: int = 2048
     ubatch_size: int = 512
-    cache_type: str = "f32"
+    cache_type: str = "f32"  # K (and V unless cache_type_v says otherwise)
+    cache_type_v: str | None = None
+    kv_unified: bool = False
     threads: int | None = None
     chat_template: str | None = None
 
@@ -44,6 +46,10 @@ class EngineConfig:
         rules = [
             (self.dtype in DTYPES, "dtype", f"must be one of {', '.join(DTYPES)}"),
             (self.cache_type in KV_DTYPES, "cache_type", f"must be one of {', '.join(KV_DTYPES)}"),
+            (self.cache_type_v is None or self.cache_type_v in KV_DTYPES, "cache_type_v",
+             f"must be one of {', '.join(KV_DTYPES)}"),
+            (not self.kv_unified or self.ctx_size >= PagedKVCache.PAGE_SIZE, "ctx_size",
+             f"must be at least {PagedKVCache.PAGE_SIZE} with kv_unified"),
             (self.parallel >= 1, "parallel", "must be >= 1"),
             (self.ctx_size >= self.parallel, "ctx_size", f"must be at least parallel={self.parallel}"),
             (self.ubatch_size >= 1, "ubatch_size", "must be >= 1"),
@@ -56,7 +62,29 @@ class EngineConfig:
 
     @property
     def ctx_per_slot(self) -> int:
+        """Positions one request may use: its share, or the whole pool when it is unified."""
+        if self.kv_unified:
+            return self.ctx_size // PagedKVCache.PAGE_SIZE * PagedKVCache.PAGE_SIZE
         return self.ctx_size // self.parallel
+
+
+@dataclass
+class SlotInfo:
+    """A snapshot of one slot for /slots (read from any thread)."""
+    id: int
+    n_ctx: int
+    is_processing: bool
+    id_task: str | None
+    n_prompt_tokens: int
+    n_cached: int  # positions whose K/V the slot holds
+    n_decoded: int
+
+
+@dataclass
+class EngineStats:
+    """Counters since start, written on the engine thread and read anywhere."""
+    steps: int = 0  # forward passes
+    busy_slots: int = 0  # sum over steps of the slots in the step
 
 
 @dataclass
@@ -72,6 +100,7 @@ class Engine:
     _wake: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
     _stopping: bool = False
+    stats: EngineStats = field(default_factory=EngineStats)
 
     @classmethod
     def load(cls, config: EngineConfig) -> "Engine":
@@ -87,14 +116,21 @@ class Engine:
         model = Transformer(mc, files.load_tensors(), config.dtype,
                             max_positions=max(config.ctx_per_slot, mc.max_position_embeddings))
         log.info("loaded %s (%s, %s) in %.1f s", files.path, mc.family, config.dtype, time.perf_counter() - t0)
-        cache = KVCache(mc.num_layers, config.parallel, config.ctx_per_slot, mc.num_kv_heads, mc.head_dim,
-                        KV_DTYPES[config.cache_type])
-        log.info("KV cache: %d layers (%d dense) x %d slots x %d ctx = %.0f MiB", mc.num_layers, mc.num_layers,
-                 config.parallel, config.ctx_per_slot, cache.nbytes / 2**20)
+        kv_dtypes = KV_DTYPES[config.cache_type], KV_DTYPES[config.cache_type_v or config.cache_type]
+        if config.kv_unified:
+            cache = PagedKVCache(mc.num_layers, config.parallel, config.ctx_size, mc.num_kv_heads, mc.head_dim,
+                                 *kv_dtypes)
+            log.info("KV cache: %d layers (%d dense) x 1 unified pool of %d positions for %d slots = %.0f MiB",
+                     mc.num_layers, mc.num_layers, cache.capacity, config.parallel, cache.nbytes / 2**20)
+        else:
+            cache = KVCache(mc.num_layers, config.parallel, config.ctx_per_slot, mc.num_kv_heads, mc.head_dim,
+                            *kv_dtypes)
+            log.info("KV cache: %d layers (%d dense) x %d slots x %d ctx = %.0f MiB", mc.num_layers,
+                     mc.num_layers, config.parallel, config.ctx_per_slot, cache.nbytes / 2**20)
         eos = set(mc.eos_token_ids)
         if tokenizer.eos_token_id is not None:
             eos.add(tokenizer.eos_token_id)
-        scheduler = Scheduler(config.parallel, config.ctx_per_slot, config.batch_size, config.ubatch_size)
+        scheduler = Scheduler(config.parallel, config.ctx_per_slot, config.batch_size, config.ubatch_size, cache)
         return cls(config, files, model, tokenizer, cache, scheduler, frozenset(eos))
 
     # -- any thread ---------------------------------------------------------------------------
@@ -112,13 +148,34 @@ class Engine:
         self._inbox.put(("cancel", request))
         self._wake.set()
 
-    def check_prompt(self, n_prompt: int, max_tokens: int) -> None:
-        """Raise ConfigError unless a prompt of n_prompt tokens and max_tokens fit one slot."""
+    def check_prompt(self, n_prompt: int, max_tokens: int | None) -> None:
+        """Raise ConfigError unless a prompt of n_prompt tokens and max_tokens (None: as many as fit)
+        fit one slot."""
         ctx = self.config.ctx_per_slot
         if n_prompt < 1:
             raise ConfigError("prompt: must contain at least one token")
         if n_prompt >= ctx:
             raise ConfigError(f"prompt has {n_prompt} tokens: the slot context is {ctx} (leave room to generate)")
+        if max_tokens is not None and n_prompt + max_tokens > ctx:
+            raise ConfigError(f"max_tokens={max_tokens}: the prompt's {n_prompt} tokens plus max_tokens exceed "
+                              f"the slot context {ctx} (at most {ctx - n_prompt})")
+
+    def room_after(self, n_prompt: int) -> int:
+        """The most tokens a request with an n_prompt-token prompt can generate."""
+        return self.config.ctx_per_slot - n_prompt
+
+    def slots_info(self) -> list[SlotInfo]:
+        out = []
+        for slot in self.scheduler.slots:
+            req = slot.request  # one read: the engine thread may swap it meanwhile
+            out.append(SlotInfo(slot.id, self.config.ctx_per_slot, req is not None, req.id if req else None,
+                                len(req.prompt_ids) if req else 0, len(slot.cached_ids),
+                                len(req.output_ids) if req else 0))
+        return out
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="tandem-engine", daemon=True)
@@ -153,7 +210,13 @@ class Engine:
                 self._wake.wait(timeout=0.5)
                 self._wake.clear()
                 continue
-            self.step()
+            try:
+                self.step()
+            except Exception:  # a bug: fail what is in flight, keep serving
+                log.exception("engine step failed; finishing the running requests with an error")
+                for req in self.scheduler.running + list(self.scheduler.waiting):
+                    self._finish(req, "error")
+                    req.on_output(StepOutput(req, [], True))
 
     def _drain_inbox(self) -> None:
         while not self._inbox.empty():
@@ -167,9 +230,15 @@ class Engine:
     def step(self) -> None:
         """One forward over every active slot, then one sampled token per slot whose row ends a prompt
         or decodes."""
-        planned = self.scheduler.plan(time.perf_counter())
+        plan = self.scheduler.plan(time.perf_counter())
+        for req in plan.preempted:
+            self._finish(req, "length")
+            req.on_output(StepOutput(req, [], True))
+        planned = plan.rows
         if not planned:
             return
+        self.stats.steps += 1
+        self.stats.busy_slots += len(planned)
         batch = ForwardBatch.build([p.row for p in planned])
         hidden = self.model(batch, self.cache)
         ends = batch.last_token_indices()

@@ -1,4 +1,9 @@
-"""The KV cache: preallocated per layer and slot, written in place, never reallocated."""
+"""The KV cache: preallocated, written in place, never reallocated.
+
+Two layouts behind one interface (`write`, `read`, `ensure`, `truncate`), the one model.py uses:
+- `KVCache`: each slot owns ctx_per_slot positions (llama-server's default split of --ctx-size);
+- `PagedKVCache`: one pool of positions in pages that any slot may use (--kv-unified).
+"""
 from __future__ import annotations
 
 import torch
@@ -14,16 +19,27 @@ class KVCache:
     """
 
     def __init__(self, num_layers: int, num_slots: int, ctx_per_slot: int, kv_heads: int, head_dim: int,
-                 dtype: torch.dtype = torch.float32):
+                 dtype: torch.dtype = torch.float32, v_dtype: torch.dtype | None = None):
         shape = (num_slots, kv_heads, ctx_per_slot, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=v_dtype or dtype) for _ in range(num_layers)]
         self.num_slots = num_slots
         self.ctx_per_slot = ctx_per_slot
 
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+    @property
+    def capacity(self) -> int:
+        return self.num_slots * self.ctx_per_slot
+
+    def ensure(self, slot: int, length: int) -> bool:
+        """Whether the slot can hold `length` positions (room is reserved here when it is shared)."""
+        return length <= self.ctx_per_slot
+
+    def truncate(self, slot: int, length: int) -> None:
+        """The slot keeps only its first `length` positions (a no-op: its room is its own)."""
 
     def write(self, layer: int, slot: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v: [kv_heads, T, head_dim] for positions start .. start+T-1 of the slot."""
@@ -34,3 +50,108 @@ class KVCache:
     def read(self, layer: int, slot: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Views [kv_heads, length, head_dim] of the slot's first `length` positions."""
         return self.k[layer][slot, :, :length], self.v[layer][slot, :, :length]
+
+
+class PagePool:
+    """Which pages of a shared pool each slot holds, in position order. Pure bookkeeping."""
+
+    def __init__(self, num_pages: int, page_size: int, num_slots: int):
+        self.page_size = page_size
+        self.free: list[int] = list(range(num_pages))  # kept sorted: low pages first
+        self.pages: list[list[int]] = [[] for _ in range(num_slots)]
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free)
+
+    def pages_for(self, length: int) -> int:
+        return -(-length // self.page_size)
+
+    def ensure(self, slot: int, length: int) -> bool:
+        """Give the slot pages for `length` positions; False (and nothing taken) when too few are free."""
+        need = self.pages_for(length) - len(self.pages[slot])
+        if need <= 0:
+            return True
+        if need > len(self.free):
+            return False
+        for _ in range(need):
+            self.pages[slot].append(self._take_after(self.pages[slot][-1] if self.pages[slot] else None))
+        return True
+
+    def truncate(self, slot: int, length: int) -> None:
+        keep = self.pages_for(length)
+        released, self.pages[slot] = self.pages[slot][keep:], self.pages[slot][:keep]
+        if released:
+            self.free = sorted(self.free + released)
+
+    def _take_after(self, last: int | None) -> int:
+        # The page right after the slot's last one keeps its positions contiguous (a view, no gather).
+        if last is not None and last + 1 in self.free:
+            self.free.remove(last + 1)
+            return last + 1
+        return self.free.pop(0)
+
+
+class PagedKVCache:
+    """One pool of positions shared by all slots (--kv-unified). Storage per layer is
+    [kv_heads, pool positions, head_dim]; a slot's positions live in the pages it holds."""
+
+    PAGE_SIZE = 16
+
+    def __init__(self, num_layers: int, num_slots: int, capacity: int, kv_heads: int, head_dim: int,
+                 dtype: torch.dtype = torch.float32, v_dtype: torch.dtype | None = None):
+        num_pages = capacity // self.PAGE_SIZE
+        shape = (kv_heads, num_pages * self.PAGE_SIZE, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=v_dtype or dtype) for _ in range(num_layers)]
+        self.pool = PagePool(num_pages, self.PAGE_SIZE, num_slots)
+        self.num_slots = num_slots
+        self.ctx_per_slot = num_pages * self.PAGE_SIZE  # any one slot may fill the whole pool
+        self._index = [torch.empty(0, dtype=torch.long) for _ in range(num_slots)]  # position -> pool row
+        self._base: list[int | None] = [None] * num_slots  # first pool row when the pages are contiguous
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+    @property
+    def capacity(self) -> int:
+        return self.ctx_per_slot
+
+    def ensure(self, slot: int, length: int) -> bool:
+        before = len(self.pool.pages[slot])
+        ok = self.pool.ensure(slot, length)
+        if len(self.pool.pages[slot]) != before:
+            self._reindex(slot)
+        return ok
+
+    def truncate(self, slot: int, length: int) -> None:
+        before = len(self.pool.pages[slot])
+        self.pool.truncate(slot, length)
+        if len(self.pool.pages[slot]) != before:
+            self._reindex(slot)
+
+    def _reindex(self, slot: int) -> None:
+        pages = torch.tensor(self.pool.pages[slot], dtype=torch.long)
+        self._index[slot] = (pages[:, None] * self.PAGE_SIZE + torch.arange(self.PAGE_SIZE)).flatten()
+        contiguous = bool(len(pages)) and bool((pages == pages[0] + torch.arange(len(pages))).all())
+        self._base[slot] = int(pages[0]) * self.PAGE_SIZE if contiguous else None
+
+    def write(self, layer: int, slot: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v: [kv_heads, T, head_dim] for positions start .. start+T-1 of the slot (reserved by ensure)."""
+        end, base = start + k.shape[1], self._base[slot]
+        if base is not None:
+            self.k[layer][:, base + start:base + end] = k
+            self.v[layer][:, base + start:base + end] = v
+        else:
+            rows = self._index[slot][start:end]
+            self.k[layer].index_copy_(1, rows, k.to(self.k[layer].dtype))
+            self.v[layer].index_copy_(1, rows, v.to(self.v[layer].dtype))
+
+    def read(self, layer: int, slot: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """[kv_heads, length, head_dim]: a view when the slot's pages are contiguous, else a gather."""
+        base = self._base[slot]
+        if base is not None:
+            return self.k[layer][:, base:base + length], self.v[layer][:, base:base + length]
+        rows = self._index[slot][:length]
+        return self.k[layer].index_select(1, rows), self.v[layer].index_select(1, rows)

@@ -9,6 +9,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from engine.batch import Row
+from engine.kv_cache import KVCache, PagedKVCache
 from engine.request import Request, Status
 
 
@@ -34,13 +35,25 @@ class PlannedRow:
     samples: bool  # whether this row's last token yields a token to sample
 
 
+@dataclass
+class StepPlan:
+    rows: list[PlannedRow]
+    preempted: list[Request]  # stopped because the shared KV pool ran out: they finish with "length"
+
+    def __bool__(self) -> bool:
+        return bool(self.rows or self.preempted)
+
+
 class Scheduler:
-    def __init__(self, num_slots: int, ctx_per_slot: int, batch_size: int, ubatch_size: int):
+    def __init__(self, num_slots: int, ctx_per_slot: int, batch_size: int, ubatch_size: int,
+                 kv: KVCache | PagedKVCache | None = None):
         self.slots = [Slot(i, []) for i in range(num_slots)]
         self.waiting: deque[Request] = deque()
         self.ctx_per_slot = ctx_per_slot
         self.batch_size = batch_size
         self.ubatch_size = ubatch_size
+        # Room for positions: slots own theirs, or share one pool (then `ensure` can fail).
+        self.kv = kv if kv is not None else KVCache(0, num_slots, ctx_per_slot, 0, 0)
 
     @property
     def running(self) -> list[Request]:
@@ -59,9 +72,10 @@ class Scheduler:
         if not free:
             return None
         if not request.cache_prompt:
-            return free[0]
-        # The free slot holding the longest prefix of this prompt, as llama-server's slot similarity.
-        return max(free, key=lambda s: common_prefix(s.cached_ids, request.prompt_ids))
+            return min(free, key=lambda s: len(s.cached_ids))
+        # The free slot holding the longest prefix of this prompt, as llama-server's slot similarity;
+        # with no prefix to reuse, the one holding least, so other slots' prefixes survive.
+        return max(free, key=lambda s: (common_prefix(s.cached_ids, request.prompt_ids), -len(s.cached_ids)))
 
     def _admit(self, now: float) -> None:
         # FIFO: a request waiting for a particular busy slot holds back those behind it.
@@ -75,27 +89,52 @@ class Scheduler:
             # At least the last prompt token runs through the model: its logits give the first token.
             reuse = min(reuse, len(request.prompt_ids) - 1)
             slot.cached_ids = slot.cached_ids[:reuse]
+            self.kv.truncate(slot.id, reuse)
             slot.request = request
             request.slot, request.cache_n, request.num_computed = slot.id, reuse, reuse
             request.status, request.t_started = Status.RUNNING, now
 
-    def plan(self, now: float) -> list[PlannedRow]:
+    def plan(self, now: float) -> StepPlan:
         """Rows of the next forward: one decode token for every generating request, then prompt
         chunks of at most ubatch tokens, while the step holds at most batch_size tokens."""
         self._admit(now)
-        planned, budget = [], self.batch_size
+        plan, budget = StepPlan([], []), self.batch_size
         for req in self.running:
-            if not req.prefilling:
-                planned.append(PlannedRow(req, Row(req.slot, req.num_computed, [req.all_ids[-1]]), True))
+            if req in plan.preempted:
+                continue
+            if not req.prefilling and self._reserve(plan, req, req.num_computed + 1):
+                plan.rows.append(PlannedRow(req, Row(req.slot, req.num_computed, [req.all_ids[-1]]), True))
                 budget -= 1
         for req in self.running:
-            if req.prefilling and budget > 0:
+            if req.prefilling and budget > 0 and req not in plan.preempted:
                 n = min(self.ubatch_size, budget, len(req.prompt_ids) - req.num_computed)
+                if not self._reserve(plan, req, req.num_computed + n):
+                    continue
                 tokens = req.prompt_ids[req.num_computed:req.num_computed + n]
                 done = req.num_computed + n == len(req.prompt_ids)
-                planned.append(PlannedRow(req, Row(req.slot, req.num_computed, tokens), done))
+                plan.rows.append(PlannedRow(req, Row(req.slot, req.num_computed, tokens), done))
                 budget -= n
-        return planned
+        return plan
+
+    def _reserve(self, plan: StepPlan, req: Request, length: int) -> bool:
+        """Room for `length` positions in the request's slot. When a shared pool is short, idle
+        slots' cached prefixes go first, then the youngest running request (maybe `req` itself)."""
+        while not self.kv.ensure(req.slot, length):
+            idle = [s for s in self.slots if s.request is None and s.cached_ids]
+            if idle:
+                for slot in idle:
+                    slot.cached_ids = []
+                    self.kv.truncate(slot.id, 0)
+                continue
+            victim = max(self.running, key=lambda r: r.t_started)
+            plan.preempted.append(victim)
+            plan.rows = [p for p in plan.rows if p.request is not victim]
+            self.release(victim)
+            self.slots[victim.slot].cached_ids = []
+            self.kv.truncate(victim.slot, 0)
+            if victim is req:
+                return False
+        return True
 
     def commit(self, request: Request, tokens: list[int]) -> None:
         """Record that `tokens` were written to the request's slot at num_computed onwards."""

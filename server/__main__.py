@@ -1,0 +1,86 @@
+"""`python -m server`: parse flags, start uvicorn (the model loads once it is up), drain on SIGTERM.
+
+SIGTERM (or Ctrl-C): new requests get 503 while in-flight ones finish, up to --drain-timeout,
+then the process exits 0. A second signal exits at once.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+
+import uvicorn
+from sse_starlette.sse import AppStatus
+
+from engine.errors import TandemError
+from server.app import create_app
+from server.cli import parse
+from server.runner import EngineRunner
+from server.state import ServerState
+
+log = logging.getLogger("tandem.server")
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn, but the first exit signal drains instead of closing streams mid-way."""
+
+    def __init__(self, config: uvicorn.Config, state: ServerState):
+        super().__init__(config)
+        self.state = state
+        self.exit_code = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def startup(self, sockets=None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().startup(sockets)
+
+    def handle_exit(self, sig, frame) -> None:  # a signal handler, on the main thread
+        if self.state.draining or self._loop is None:
+            AppStatus.should_exit = True
+            self.should_exit = self.force_exit = True
+            return
+        self.state.draining = True
+        log.info("signal %s: draining %d in-flight request(s), up to %.0f s", sig, self.state.in_flight,
+                 self.state.settings.drain_timeout)
+        self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._drain()))
+
+    async def _drain(self) -> None:
+        deadline = self._loop.time() + self.state.settings.drain_timeout
+        while self.state.in_flight > 0 and self._loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        AppStatus.should_exit = True  # streams still open past the deadline are closed
+        self.should_exit = True
+
+    def fail(self, error: BaseException) -> None:
+        """The model could not load: nothing can be served."""
+        self.exit_code = 1
+        self.should_exit = True
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        engine_config, settings = parse(argv)
+    except TandemError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    # Streams end when their request does, not when the signal arrives (see DrainingServer).
+    AppStatus.disable_automatic_graceful_drain()
+    state = ServerState(settings, EngineRunner(engine_config))
+    holder: list[DrainingServer] = []
+    app = create_app(state, on_load_failure=lambda e: holder[0].fail(e))
+    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning",
+                            timeout_graceful_shutdown=5, lifespan="on")
+    server = DrainingServer(config, state)
+    holder.append(server)
+    log.info("listening on http://%s:%d (model loading)", settings.host, settings.port)
+    server.run()
+    if server.exit_code == 0 and not server.started:
+        return 1  # e.g. the port was taken
+    return server.exit_code
+
+
+if __name__ == "__main__":
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+    sys.exit(main())

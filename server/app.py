@@ -1,0 +1,144 @@
+"""The FastAPI app: edge checks (auth, body size, draining), error shapes, and the endpoints
+that are not completions. The model loads in a thread once the app is up, so /health answers
+503 meanwhile."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib.metadata
+import logging
+from typing import Callable
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from server.edge import EdgeMiddleware, validation_message
+from server.metrics import EngineGauges
+from server.openai_api import get_state, render_chat, router
+from server.protocol import APIError, ApplyTemplateRequest, DetokenizeRequest, TokenizeRequest, error_body
+from server.state import ServerState
+
+log = logging.getLogger("tandem.server")
+
+
+def build_info() -> str:
+    try:
+        return f"tandem {importlib.metadata.version('tandem')}"
+    except importlib.metadata.PackageNotFoundError:
+        return "tandem (source tree)"
+
+
+def create_app(state: ServerState, on_load_failure: Callable[[BaseException], None] = lambda e: None) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        state.runner.load_in_background(asyncio.get_running_loop(), on_load_failure)
+        yield
+        await asyncio.to_thread(state.runner.stop)
+
+    app = FastAPI(title="tandem", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.tandem = state
+    app.add_middleware(EdgeMiddleware, state=state)
+    app.include_router(router)
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, e: APIError):
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, e: RequestValidationError):
+        return JSONResponse(error_body(400, validation_message(e.errors())), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, e: StarletteHTTPException):
+        message = {404: f"{request.url.path}: no such endpoint on this server",
+                   405: f"{request.method} {request.url.path}: method not allowed"}.get(e.status_code, str(e.detail))
+        return JSONResponse(error_body(e.status_code, message), status_code=e.status_code)
+
+    @app.exception_handler(Exception)
+    async def crash(request: Request, e: Exception):
+        log.exception("unhandled error on %s", request.url.path)
+        return JSONResponse(error_body(500, f"internal error: {type(e).__name__}: {e}"), status_code=500)
+
+    @app.get("/health")
+    async def health():
+        if state.draining:
+            return JSONResponse(error_body(503, "Server is shutting down"), status_code=503)
+        if state.runner.load_error is not None:
+            return JSONResponse(error_body(500, f"Model failed to load: {state.runner.load_error}"), status_code=500)
+        if not state.runner.ready:
+            return JSONResponse(error_body(503, "Loading model"), status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    @app.get("/models")
+    async def models(request: Request):
+        s = get_state(request)
+        engine = s.runner.engine
+        mc = engine.model.config
+        n_ctx = engine.config.ctx_per_slot
+        return {"object": "list", "data": [{
+            "id": s.model_name, "object": "model", "created": 0, "owned_by": "tandem",
+            "context_length": n_ctx,
+            "meta": {"n_ctx": n_ctx, "n_ctx_total": engine.config.ctx_size, "n_ctx_train": mc.max_position_embeddings,
+                     "n_vocab": mc.vocab_size, "n_params": mc.num_parameters(), "dtype": engine.config.dtype},
+        }]}
+
+    @app.get("/props")
+    async def props(request: Request):
+        s = get_state(request)
+        engine, c = s.runner.engine, s.runner.engine.config
+        spec = s.settings.speculative
+        return {
+            "model_alias": s.model_name, "model_path": str(engine.files.path), "n_ctx": c.ctx_size,
+            "total_slots": c.parallel, "kv_unified": c.kv_unified, "dtype": c.dtype,
+            "cache_type_k": c.cache_type, "cache_type_v": c.cache_type_v or c.cache_type,
+            "default_generation_settings": {"n_ctx": c.ctx_per_slot, "params": {
+                "temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "n_predict": -1}},
+            "build_info": build_info(),
+            "speculative": {"type": spec.get("type"), "n_max": spec.get("n_max"), "n_min": spec.get("n_min"),
+                            "p_min": spec.get("p_min"), "draft_model": spec.get("draft_model")},
+            "chat_template": engine.tokenizer.chat_template or "",
+        }
+
+    @app.get("/slots")
+    async def slots(request: Request):
+        s = get_state(request)
+        return [{"id": i.id, "id_task": i.id_task, "n_ctx": i.n_ctx, "is_processing": i.is_processing,
+                 "speculative": bool(s.settings.speculative.get("type")), "n_prompt_tokens": i.n_prompt_tokens,
+                 "n_cached": i.n_cached, "next_token": {"n_decoded": i.n_decoded}}
+                for i in s.runner.engine.slots_info()]
+
+    @app.get("/metrics")
+    async def metrics(request: Request):
+        s = get_state(request)
+        engine = s.runner.engine
+        infos = engine.slots_info()
+        cached = [i.n_cached for i in infos]
+        gauges = EngineGauges(steps=engine.stats.steps, busy_slots=engine.stats.busy_slots,
+                              processing=sum(i.is_processing for i in infos), deferred=engine.num_waiting,
+                              kv_tokens=sum(cached), kv_capacity=engine.cache.capacity, n_tokens_max=max(cached))
+        return PlainTextResponse(s.metrics.render(gauges), media_type="text/plain; version=0.0.4")
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest, request: Request):
+        tokenizer = get_state(request).runner.engine.tokenizer
+        ids = tokenizer.hf.encode(body.content, add_special_tokens=body.add_special)
+        if body.with_pieces:
+            return {"tokens": [{"id": t, "piece": tokenizer.decode([t])} for t in ids]}
+        return {"tokens": ids}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest, request: Request):
+        engine = get_state(request).runner.engine
+        vocab = engine.model.config.vocab_size
+        if any(not 0 <= t < vocab for t in body.tokens):
+            raise APIError(400, f"tokens: ids must be in [0, {vocab})")
+        return {"content": engine.tokenizer.decode(body.tokens)}
+
+    @app.post("/apply-template")
+    async def apply_template(body: ApplyTemplateRequest, request: Request):
+        return {"prompt": render_chat(get_state(request), body)}
+
+    return app

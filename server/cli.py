@@ -1,0 +1,69 @@
+"""Command-line flags, named as llama-server's, parsed into EngineConfig and ServerSettings."""
+from __future__ import annotations
+
+import argparse
+
+from engine.engine import EngineConfig
+from engine.errors import ConfigError
+from engine.kv_cache import KV_DTYPES
+from engine.quant import DTYPES
+from server.state import DEFAULT_BODY_LIMIT, ServerSettings
+
+CACHE_TYPES = (*KV_DTYPES, "q8_0")
+SPEC_TYPES = {"draft-mtp": "draft-mtp", "mtp": "draft-mtp", "ngram-simple": "ngram-simple", "ngram": "ngram-simple",
+              "draft-simple": "draft-simple", "draft": "draft-simple"}
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m server", description="tandem: one model behind an OpenAI-style "
+                                "HTTP server (flags as llama-server's)")
+    p.add_argument("-m", "--model", default="default", help="HF directory, .gguf file, or 'default' (SmolLM2-135M)")
+    p.add_argument("-c", "--ctx-size", type=int, default=4096, help="total context, split across the slots")
+    p.add_argument("-np", "--parallel", type=int, default=1, help="slots: requests generated at once")
+    p.add_argument("-b", "--batch-size", type=int, default=2048, help="most tokens one engine step takes")
+    p.add_argument("-ub", "--ubatch-size", type=int, default=512, help="most prompt tokens one forward takes")
+    p.add_argument("-t", "--threads", type=int, help="torch threads")
+    p.add_argument("--dtype", choices=DTYPES, default="f32", help="weight format")
+    p.add_argument("--kv-unified", action="store_true", help="one KV pool shared by all slots")
+    p.add_argument("-ctk", "--cache-type-k", choices=CACHE_TYPES, default="f32")
+    p.add_argument("-ctv", "--cache-type-v", choices=CACHE_TYPES, default="f32")
+    p.add_argument("--chat-template", help="a Jinja chat template file replacing the model's")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8080)
+    p.add_argument("--alias", help="the model name served (requests may also say 'default')")
+    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every endpoint but /health")
+    p.add_argument("--body-limit", type=int, default=DEFAULT_BODY_LIMIT, help="largest request body, bytes")
+    p.add_argument("--drain-timeout", type=float, default=60.0,
+                   help="seconds in-flight requests get to finish after SIGTERM")
+    p.add_argument("--spec-type", choices=sorted(SPEC_TYPES), help="drafter (speculation is not implemented yet)")
+    p.add_argument("-md", "--spec-draft-model")
+    p.add_argument("--spec-draft-n-min", type=int, default=0)
+    p.add_argument("--spec-draft-n-max", type=int, default=16)
+    p.add_argument("--spec-draft-p-min", type=float, default=0.75)
+    p.add_argument("--spec-draft-device")
+    return p
+
+
+def parse(argv: list[str] | None = None) -> tuple[EngineConfig, ServerSettings]:
+    """Raises ConfigError (naming the flag) for a combination no single flag's parser can catch."""
+    a = parser().parse_args(argv)
+    for flag, value in (("--cache-type-k", a.cache_type_k), ("--cache-type-v", a.cache_type_v)):
+        if value == "q8_0":
+            raise ConfigError(f"{flag}=q8_0: not supported yet (use f32, f16 or bf16)")
+    if not 1 <= a.port <= 65535:
+        raise ConfigError(f"--port={a.port}: must be in 1..65535")
+    if a.body_limit < 1:
+        raise ConfigError(f"--body-limit={a.body_limit}: must be >= 1")
+    if a.spec_type is not None:
+        if not 0 <= a.spec_draft_n_min <= a.spec_draft_n_max:
+            raise ConfigError(f"--spec-draft-n-min={a.spec_draft_n_min}: must be in 0..--spec-draft-n-max")
+        if not 0 <= a.spec_draft_p_min <= 1:
+            raise ConfigError(f"--spec-draft-p-min={a.spec_draft_p_min}: must be in [0, 1]")
+        raise ConfigError(f"--spec-type={a.spec_type}: speculative decoding is not implemented yet")
+    engine = EngineConfig(model=a.model, dtype=a.dtype, ctx_size=a.ctx_size, parallel=a.parallel,
+                          batch_size=a.batch_size, ubatch_size=a.ubatch_size, cache_type=a.cache_type_k,
+                          cache_type_v=a.cache_type_v, kv_unified=a.kv_unified, threads=a.threads,
+                          chat_template=a.chat_template)
+    settings = ServerSettings(host=a.host, port=a.port, alias=a.alias, api_key=a.api_key, body_limit=a.body_limit,
+                              drain_timeout=a.drain_timeout)
+    return engine, settings

@@ -1,0 +1,77 @@
+"""Checks at the edge, before any handler runs: the API key, the body size limit, and refusing new
+requests while draining for shutdown. Also counts the requests in flight (a stream counts until
+its last byte is sent), which the graceful shutdown waits on."""
+from __future__ import annotations
+
+import json
+
+from server.protocol import APIError, error_body
+from server.state import ServerState
+
+OPEN_PATHS = ("/health",)  # answered without the API key
+
+
+class EdgeMiddleware:
+    def __init__(self, app, state: ServerState):
+        self.app, self.state = app, state
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        settings, path = self.state.settings, scope["path"]
+        headers = dict(scope["headers"])
+        if settings.api_key and path not in OPEN_PATHS:
+            if headers.get(b"authorization", b"").decode("latin-1") != f"Bearer {settings.api_key}":
+                return await _reply(send, 401, "Invalid API Key: send 'Authorization: Bearer KEY'")
+        if self.state.draining and path not in OPEN_PATHS:
+            return await _reply(send, 503, "Server is shutting down")
+        try:
+            declared = int(headers.get(b"content-length", b"0"))
+        except ValueError:
+            return await _reply(send, 400, "Content-Length: not a number")
+        if declared > settings.body_limit:
+            return await _reply(send, 413, f"request body of {declared} bytes exceeds the limit of "
+                                           f"{settings.body_limit} bytes")
+        self.state.in_flight += 1
+        try:
+            await self.app(scope, _limited(receive, settings.body_limit), send)
+        finally:
+            self.state.in_flight -= 1
+
+
+def _limited(receive, limit: int):
+    """A receive that refuses a body (e.g. chunked, without Content-Length) growing past the limit."""
+    seen = 0
+
+    async def wrapped():
+        nonlocal seen
+        message = await receive()
+        if message["type"] == "http.request":
+            seen += len(message.get("body", b""))
+            if seen > limit:
+                raise APIError(413, f"request body exceeds the limit of {limit} bytes")
+        return message
+
+    return wrapped
+
+
+async def _reply(send, status: int, message: str) -> None:
+    body = json.dumps(error_body(status, message)).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
+
+
+def validation_message(errors) -> str:
+    """pydantic's errors as one line naming each field: `temperature: must be >= 0; ...`."""
+    parts = []
+    for err in errors:
+        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+        msg = err.get("msg", "invalid").removeprefix("Value error, ")
+        if err.get("type") == "json_invalid":
+            parts.append(f"malformed JSON at byte {'.'.join(loc)}: {err.get('ctx', {}).get('error', msg)}")
+            continue
+        elif err.get("type") == "missing":
+            msg = "field required"
+        parts.append(f"{'.'.join(loc)}: {msg}" if loc else msg)
+    return "; ".join(parts) or "invalid request"

@@ -1,0 +1,126 @@
+"""One generation as the HTTP layer sees it: validate and submit, then turn engine outputs into
+text pieces (stop strings applied) and a final record with finish_reason, usage and timings.
+Formatting into chat or text-completion shapes is left to openai_api."""
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+from engine.errors import ConfigError
+from engine.request import Timings
+from engine.sampling import SamplingParams
+from engine.tokenizer import IncrementalDecoder
+from server.protocol import APIError, SamplingFields
+from server.state import ServerState
+from server.stop import StopMatcher
+
+
+@dataclass
+class Job:
+    """A validated request, ready to submit."""
+    prompt_ids: list[int]
+    params: SamplingParams
+    stops: list[str]
+    cache_prompt: bool
+    slot_id: int | None
+
+
+@dataclass
+class Piece:
+    text: str
+    token_ids: list[int]
+    logprobs: list[dict] | None  # per token: {"token", "logprob", "top": [(id, logprob)]}
+
+
+@dataclass
+class Final:
+    finish_reason: str
+    usage: dict
+    timings: dict
+
+
+def prepare(state: ServerState, body: SamplingFields, prompt_ids: list[int], n_logprobs: int | None) -> Job:
+    """Everything checked before a slot is taken: model name, lengths, sampling parameters."""
+    engine = state.runner.engine
+    state.check_model(body.model)
+    limit = body.token_limit
+    try:
+        engine.check_prompt(len(prompt_ids), limit)
+    except ConfigError as e:
+        raise APIError(400, str(e)) from e
+    vocab = engine.model.config.vocab_size
+    if any(t >= vocab for t in prompt_ids):
+        raise APIError(400, f"prompt: token ids must be < the vocabulary size {vocab}")
+    bias = dict(body.bias_pairs())
+    if any(not 0 <= t < vocab for t in bias):
+        raise APIError(400, f"logit_bias: token ids must be in [0, {vocab})")
+    if body.id_slot is not None and not 0 <= body.id_slot < engine.config.parallel:
+        raise APIError(400, f"id_slot={body.id_slot}: must be in [0, {engine.config.parallel}) or absent")
+    try:
+        params = SamplingParams(
+            temperature=body.temperature, top_k=body.top_k, top_p=body.top_p, min_p=body.min_p,
+            repetition_penalty=body.repeat_penalty, presence_penalty=body.presence_penalty,
+            frequency_penalty=body.frequency_penalty, seed=body.seed,
+            max_tokens=limit if limit is not None else engine.room_after(len(prompt_ids)),
+            ignore_eos=body.ignore_eos, logit_bias=bias, logprobs=n_logprobs)
+    except ConfigError as e:
+        raise APIError(400, str(e)) from e
+    return Job(prompt_ids, params, body.stop_strings, body.cache_prompt, body.id_slot)
+
+
+async def run(state: ServerState, job: Job, disconnected: asyncio.Future | None = None
+              ) -> AsyncIterator[Piece | Final]:
+    """Yields Pieces as tokens arrive, then one Final. Cancels the engine request when the
+    consumer stops early (client gone) or a stop string matches."""
+    stream = state.runner.submit(job.prompt_ids, job.params, cache_prompt=job.cache_prompt, slot_id=job.slot_id)
+    decoder = IncrementalDecoder(state.runner.engine.tokenizer)
+    matcher = StopMatcher(job.stops)
+    n_tokens, t_last = 0, 0.0
+    try:
+        while True:
+            out = await stream.next()
+            now = time.perf_counter()
+            if out.token_ids:
+                if t_last:
+                    state.metrics.itl.observe(now - t_last)
+                else:
+                    state.metrics.ttft.observe(now - stream.t_arrived)
+                t_last = now
+                n_tokens += len(out.token_ids)
+            text = matcher.push(decoder.push(out.token_ids))
+            if matcher.stopped:
+                stream.cancel()
+                yield Piece(text, out.token_ids, out.logprobs)
+                yield _final(state, stream.request, "stop", n_tokens, now)
+                return
+            if out.finished:
+                text += matcher.push(_decoder_rest(decoder)) + matcher.flush()
+            if text or out.token_ids:
+                yield Piece(text, out.token_ids, out.logprobs)
+            if out.finished:
+                yield _final(state, stream.request, stream.request.finish_reason, n_tokens, None)
+                return
+    finally:
+        stream.cancel()  # no-op when the engine finished it
+
+
+def _decoder_rest(decoder: IncrementalDecoder) -> str:
+    """Text still held back at the end (an incomplete character, shown as the tokenizer decodes it)."""
+    tok = decoder.tokenizer
+    return tok.decode(decoder.ids[decoder.prefix:])[len(tok.decode(decoder.ids[decoder.prefix:decoder.read])):]
+
+
+def _final(state: ServerState, req, reason: str, n_tokens: int, stopped_at: float | None) -> Final:
+    if stopped_at is None:  # the engine finished the request: its own record is complete
+        t = req.timings()
+    else:  # a stop string ended it here, while the engine may already hold one token more
+        first = req.t_first_token or stopped_at
+        t = Timings(req.cache_n, req.prompt_n, 1000.0 * (first - req.t_started), n_tokens,
+                    1000.0 * (stopped_at - first), req.draft_n, req.draft_n_accepted)
+    timings = t.as_dict(with_draft=t.draft_n > 0)
+    n_prompt = len(req.prompt_ids)
+    usage = {"prompt_tokens": n_prompt, "completion_tokens": t.predicted_n, "total_tokens": n_prompt + t.predicted_n}
+    state.metrics.on_finished(timings)
+    return Final(reason, usage, timings)

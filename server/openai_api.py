@@ -1,0 +1,178 @@
+"""POST /v1/chat/completions and /v1/completions: OpenAI shapes, streamed over SSE or whole."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+import uuid
+from typing import AsyncIterator, Callable
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+from sse_starlette import EventSourceResponse
+
+from server.generation import Final, Job, Piece, prepare, run
+from server.protocol import APIError, ChatCompletionRequest, CompletionRequest
+from server.state import ServerState
+
+router = APIRouter()
+
+
+def get_state(request: Request) -> ServerState:
+    state: ServerState = request.app.state.tandem
+    if not state.runner.ready:
+        raise APIError(503, "Loading model", "unavailable_error")
+    return state
+
+
+def render_chat(state: ServerState, body) -> str:
+    messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+    try:
+        return state.runner.engine.tokenizer.apply_chat_template(messages)
+    except Exception as e:  # jinja's own errors name the problem (e.g. roles must alternate)
+        raise APIError(400, f"messages: the chat template refused them: {e}") from e
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(body: ChatCompletionRequest, request: Request):
+    state = get_state(request)
+    tokenizer = state.runner.engine.tokenizer
+    prompt_ids = tokenizer.encode(render_chat(state, body))
+    job = prepare(state, body, prompt_ids, body.n_logprobs)
+    fmt = ChatFormat(state, body.model, tokenizer.decode)
+    if body.stream:
+        return _sse(state, job, fmt)
+    return await _whole(state, job, fmt, request)
+
+
+@router.post("/v1/completions")
+async def completions(body: CompletionRequest, request: Request):
+    state = get_state(request)
+    tokenizer = state.runner.engine.tokenizer
+    prompt_ids = list(body.prompt) if isinstance(body.prompt, list) else tokenizer.encode(body.prompt)
+    job = prepare(state, body, prompt_ids, body.n_logprobs)
+    fmt = TextFormat(state, body.model, tokenizer.decode)
+    if body.stream:
+        return _sse(state, job, fmt)
+    return await _whole(state, job, fmt, request)
+
+
+def _sse(state: ServerState, job: Job, fmt) -> EventSourceResponse:
+    async def events() -> AsyncIterator[dict]:
+        first = fmt.first_chunk()
+        if first is not None:
+            yield {"data": json.dumps(first)}
+        async for item in run(state, job):
+            if isinstance(item, Final) and item.finish_reason == "error":
+                yield {"data": json.dumps(APIError(500, "the engine failed on this request").body())}
+            else:
+                yield {"data": json.dumps(fmt.chunk(item))}
+        yield {"data": "[DONE]"}
+
+    return EventSourceResponse(events(), ping=15)
+
+
+async def _whole(state: ServerState, job: Job, fmt, request: Request) -> JSONResponse:
+    # The body was read; the next ASGI message is the client's disconnect, if it leaves early.
+    watcher = asyncio.ensure_future(request.receive())
+    pieces: list[Piece] = []
+    gen = run(state, job)
+    try:
+        while True:
+            nxt = asyncio.ensure_future(gen.__anext__())
+            await asyncio.wait([nxt, watcher], return_when=asyncio.FIRST_COMPLETED)
+            if not nxt.done():  # client gone: cancelling the step runs run()'s cleanup, which cancels
+                nxt.cancel()
+                with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
+                    await nxt
+                return JSONResponse({}, status_code=499)
+            item = nxt.result()
+            if isinstance(item, Final):
+                if item.finish_reason == "error":
+                    raise APIError(500, "the engine failed on this request")
+                return JSONResponse(fmt.whole(pieces, item))
+            pieces.append(item)
+    finally:
+        watcher.cancel()
+        await gen.aclose()
+
+
+class _Format:
+    object_name = ""
+
+    def __init__(self, state: ServerState, model: str | None, decode: Callable[[list[int]], str]):
+        self.id = f"{self.prefix}{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.model = state.model_name if not model or model == "default" else model
+        self.decode = decode
+
+    def envelope(self, choice: dict, object_name: str) -> dict:
+        return {"id": self.id, "object": object_name, "created": self.created, "model": self.model,
+                "system_fingerprint": "tandem", "choices": [choice]}
+
+    def first_chunk(self) -> dict | None:
+        return None
+
+
+class ChatFormat(_Format):
+    prefix = "chatcmpl-"
+
+    def first_chunk(self) -> dict:
+        return self.envelope({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                              "finish_reason": None}, "chat.completion.chunk")
+
+    def chunk(self, item: Piece | Final) -> dict:
+        if isinstance(item, Final):
+            out = self.envelope({"index": 0, "delta": {}, "logprobs": None, "finish_reason": item.finish_reason},
+                                "chat.completion.chunk")
+            return {**out, "usage": item.usage, "timings": item.timings}
+        logprobs = {"content": self._logprobs(item.logprobs)} if item.logprobs else None
+        return self.envelope({"index": 0, "delta": {"content": item.text}, "logprobs": logprobs,
+                              "finish_reason": None}, "chat.completion.chunk")
+
+    def whole(self, pieces: list[Piece], final: Final) -> dict:
+        entries = [e for p in pieces for e in (p.logprobs or [])]
+        message = {"role": "assistant", "content": "".join(p.text for p in pieces)}
+        choice = {"index": 0, "message": message, "finish_reason": final.finish_reason,
+                  "logprobs": {"content": self._logprobs(entries)} if entries else None}
+        return {**self.envelope(choice, "chat.completion"), "usage": final.usage, "timings": final.timings}
+
+    def _logprobs(self, entries: list[dict]) -> list[dict]:
+        def one(token: int, logprob: float) -> dict:
+            text = self.decode([token])
+            return {"id": token, "token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+        return [{**one(e["token"], e["logprob"]), "top_logprobs": [one(t, lp) for t, lp in e["top"]]}
+                for e in entries]
+
+
+class TextFormat(_Format):
+    prefix = "cmpl-"
+
+    def chunk(self, item: Piece | Final) -> dict:
+        if isinstance(item, Final):
+            out = self.envelope({"index": 0, "text": "", "logprobs": None, "finish_reason": item.finish_reason},
+                                "text_completion")
+            return {**out, "usage": item.usage, "timings": item.timings}
+        return self.envelope({"index": 0, "text": item.text, "logprobs": self._logprobs(item.logprobs),
+                              "finish_reason": None}, "text_completion")
+
+    def whole(self, pieces: list[Piece], final: Final) -> dict:
+        entries = [e for p in pieces for e in (p.logprobs or [])]
+        choice = {"index": 0, "text": "".join(p.text for p in pieces), "finish_reason": final.finish_reason,
+                  "logprobs": self._logprobs(entries)}
+        return {**self.envelope(choice, "text_completion"), "usage": final.usage, "timings": final.timings}
+
+    def _logprobs(self, entries: list[dict] | None) -> dict | None:
+        """The legacy completions shape: parallel lists per token."""
+        if not entries:
+            return None
+        tokens = [self.decode([e["token"]]) for e in entries]
+        offsets, pos = [], 0
+        for t in tokens:
+            offsets.append(pos)
+            pos += len(t)
+        return {"tokens": tokens, "token_logprobs": [e["logprob"] for e in entries],
+                "top_logprobs": [{self.decode([t]): lp for t, lp in e["top"]} for e in entries],
+                "text_offset": offsets}

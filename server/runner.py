@@ -1,0 +1,93 @@
+"""The bridge from the engine thread to asyncio.
+
+The engine calls each request's `on_output` on its own thread; the callback only hands the output
+to the event loop (`call_soon_threadsafe` into the request's asyncio.Queue), so the engine never
+waits on HTTP and the event loop never waits on a forward pass.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+
+from engine.engine import Engine, EngineConfig
+from engine.request import Request, StepOutput
+from engine.sampling import SamplingParams
+
+log = logging.getLogger("tandem.server")
+
+
+@dataclass
+class Stream:
+    """One submitted request as the event loop sees it: its outputs, in order, then the end."""
+    request: Request
+    outputs: asyncio.Queue
+    runner: "EngineRunner"
+    t_arrived: float = field(default_factory=time.perf_counter)
+    done: bool = False
+
+    async def next(self) -> StepOutput:
+        out = await self.outputs.get()
+        self.done = out.finished
+        return out
+
+    def cancel(self) -> None:
+        """Stop generating (client gone, or a stop string matched); the slot frees within one step."""
+        if not self.done:
+            self.runner.engine.cancel(self.request)
+            self.done = True
+
+
+class EngineRunner:
+    """Loads the engine off the event loop, then submits requests to it; counts in-flight streams
+    so that a graceful shutdown can wait for them."""
+
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.engine: Engine | None = None
+        self.load_error: BaseException | None = None
+        self.in_flight = 0
+        self._loaded = threading.Event()
+
+    @property
+    def ready(self) -> bool:
+        return self.engine is not None
+
+    def load_in_background(self, loop: asyncio.AbstractEventLoop, on_failure) -> threading.Thread:
+        def load() -> None:
+            try:
+                engine = Engine.load(self.config)
+                engine.start()
+                self.engine = engine
+                log.info("model loaded; serving")
+            except BaseException as e:  # reported and the server exits: nothing can be served
+                self.load_error = e
+                log.error("model load failed: %s", e)
+                loop.call_soon_threadsafe(on_failure, e)
+            finally:
+                self._loaded.set()
+
+        thread = threading.Thread(target=load, name="tandem-load", daemon=True)
+        thread.start()
+        return thread
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams, *, cache_prompt: bool,
+               slot_id: int | None) -> Stream:
+        """Called on the event loop, after the request was validated."""
+        loop = asyncio.get_running_loop()
+        outputs: asyncio.Queue = asyncio.Queue()
+
+        def on_output(out: StepOutput) -> None:  # engine thread
+            try:
+                loop.call_soon_threadsafe(outputs.put_nowait, out)
+            except RuntimeError:  # the loop closed during shutdown: nobody is listening
+                pass
+
+        request = self.engine.submit(prompt_ids, params, on_output, cache_prompt=cache_prompt, slot_id=slot_id)
+        return Stream(request, outputs, self)
+
+    def stop(self) -> None:
+        if self.engine is not None:
+            self.engine.stop()

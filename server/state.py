@@ -1,0 +1,40 @@
+"""ServerSettings (from the command line) and ServerState (what the app's handlers share)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from server.metrics import Metrics
+from server.protocol import APIError
+from server.runner import EngineRunner
+
+DEFAULT_BODY_LIMIT = 8 * 2**20
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    host: str = "127.0.0.1"
+    port: int = 8080
+    alias: str | None = None
+    api_key: str | None = None
+    body_limit: int = DEFAULT_BODY_LIMIT  # bytes of a request body
+    drain_timeout: float = 60.0  # seconds in-flight requests get to finish after SIGTERM
+    speculative: dict = field(default_factory=dict)  # flags kept for /props until speculation lands
+
+
+@dataclass
+class ServerState:
+    settings: ServerSettings
+    runner: EngineRunner
+    metrics: Metrics = field(default_factory=Metrics)
+    draining: bool = False
+    in_flight: int = 0  # HTTP requests being answered (streams count until their last byte)
+
+    @property
+    def model_name(self) -> str:
+        return self.settings.alias or self.runner.config.model or "default"
+
+    def check_model(self, requested: str | None) -> None:
+        """With --alias NAME, only NAME and "default" are served; without it, any name."""
+        alias = self.settings.alias
+        if alias and requested and requested not in (alias, "default"):
+            raise APIError(404, f"model={requested!r}: this server serves {alias!r}", "not_found_error")

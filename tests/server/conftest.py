@@ -1,0 +1,33 @@
+"""Fixtures for server tests: a tiny random model on disk and real server processes."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.server.helpers import ROOT, ServerProcess
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> Path:
+    from engine.tiny import write_tiny_model
+    config = json.loads((ROOT / "configs/tiny/llama.json").read_text())
+    return write_tiny_model(config, tmp_path_factory.mktemp("tiny-llama"), seed=0)
+
+
+@pytest.fixture(scope="session")
+def start_server(tmp_path_factory):
+    """start_server(args, api_key=None) -> a ready ServerProcess, killed at the end of the session
+    unless the test ends it sooner."""
+    started: list[ServerProcess] = []
+
+    def start(args: list[str], api_key: str | None = None, wait: bool = True) -> ServerProcess:
+        log = tmp_path_factory.mktemp("server") / "server.log"
+        server = ServerProcess(args, log, api_key)
+        started.append(server)
+        return server.wait_ready() if wait else server
+
+    yield start
+    for server in started:
+        server.kill()

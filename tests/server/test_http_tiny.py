@@ -1,0 +1,198 @@
+"""HTTP behaviour of a real server process on a tiny random model: endpoints, errors, auth,
+stop strings, disconnects. One server is shared by the module."""
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import pytest
+
+from tests.server.helpers import sse_events
+
+KEY = "sekret"
+CHAT = {"messages": [{"role": "user", "content": "hello"}], "temperature": 0}
+
+
+@pytest.fixture(scope="module")
+def server(start_server, tiny_model):
+    s = start_server(["-m", str(tiny_model), "-np", "2", "-c", "8192", "--alias", "tiny", "--body-limit", "65536"],
+                     api_key=KEY)
+    yield s
+    s.kill()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with server.client() as c:
+        yield c
+
+
+def assert_error(r: httpx.Response, status: int, *words: str) -> None:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["code"] == status and err["type"] and err["message"]
+    for w in words:
+        assert w in err["message"], (w, err["message"])
+
+
+def test_health_needs_no_key_and_everything_else_does(server):
+    assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
+    for path in ("/props", "/slots", "/metrics", "/v1/models"):
+        assert_error(httpx.get(f"{server.url}{path}"), 401, "API Key")
+    r = httpx.post(f"{server.url}/v1/chat/completions", json=CHAT, headers={"Authorization": "Bearer wrong"})
+    assert_error(r, 401)
+
+
+def test_props_slots_models_report_the_configuration(client):
+    props = client.get("/props").json()
+    assert props["model_alias"] == "tiny" and props["n_ctx"] == 8192 and props["total_slots"] == 2
+    assert props["default_generation_settings"]["n_ctx"] == 4096
+    assert {"build_info", "model_path", "speculative"} <= props.keys()
+    assert {"type", "n_max", "n_min", "p_min", "draft_model"} <= props["speculative"].keys()
+    slots = client.get("/slots").json()
+    assert [s["id"] for s in slots] == [0, 1] and all(s["n_ctx"] == 4096 for s in slots)
+    assert all("is_processing" in s for s in slots)
+    model = client.get("/v1/models").json()["data"][0]
+    assert model["id"] == "tiny" and model["context_length"] == 4096
+
+
+def test_chat_completion_object_and_stream_agree(client):
+    body = {**CHAT, "max_tokens": 12, "ignore_eos": True}
+    whole = client.post("/v1/chat/completions", json=body).json()
+    assert whole["object"] == "chat.completion" and whole["choices"][0]["finish_reason"] == "length"
+    assert whole["usage"]["completion_tokens"] == 12 == whole["timings"]["predicted_n"]
+    t = whole["timings"]
+    assert whole["usage"]["prompt_tokens"] == t["cache_n"] + t["prompt_n"]
+    for key in ("prompt_ms", "prompt_per_token_ms", "prompt_per_second", "predicted_ms", "predicted_per_token_ms",
+                "predicted_per_second"):
+        assert t[key] >= 0
+    with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
+        chunks = list(sse_events(r))
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length" and chunks[-1]["timings"]["predicted_n"] == 12
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
+    assert text == whole["choices"][0]["message"]["content"]
+
+
+def test_text_completion_accepts_token_ids_and_gives_logprobs(client):
+    ids = client.post("/tokenize", json={"content": "abc"}).json()["tokens"]
+    assert client.post("/detokenize", json={"tokens": ids}).json()["content"] == "abc"
+    r = client.post("/v1/completions", json={"prompt": ids, "max_tokens": 3, "temperature": 0, "logprobs": 2,
+                                             "ignore_eos": True}).json()
+    lp = r["choices"][0]["logprobs"]
+    assert len(lp["token_logprobs"]) == 3 and all(len(t) <= 2 for t in lp["top_logprobs"])
+    by_text = client.post("/v1/completions", json={"prompt": "abc", "max_tokens": 3, "temperature": 0,
+                                                   "ignore_eos": True}).json()
+    assert by_text["choices"][0]["text"] == r["choices"][0]["text"]
+    prompt = client.post("/apply-template", json={"messages": CHAT["messages"]}).json()["prompt"]
+    assert "hello" in prompt
+
+
+def test_stop_string_is_never_emitted(client):
+    body = {"prompt": "abc", "max_tokens": 40, "temperature": 0, "ignore_eos": True}
+    full = client.post("/v1/completions", json=body).json()["choices"][0]["text"]
+    stop = full[5:8]  # spans several one-byte tokens of the tiny tokenizer
+    expected = full[:full.index(stop)]
+    r = client.post("/v1/completions", json={**body, "stop": [stop, "never-there"]}).json()
+    assert r["choices"][0]["text"] == expected and r["choices"][0]["finish_reason"] == "stop"
+    assert r["usage"]["completion_tokens"] == r["timings"]["predicted_n"]
+    with client.stream("POST", "/v1/completions", json={**body, "stop": stop, "stream": True}) as resp:
+        chunks = list(sse_events(resp))
+    assert "".join(c["choices"][0]["text"] for c in chunks) == expected
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+
+
+BAD_INPUTS = [
+    ("malformed json", b'{"messages": [', "malformed JSON"),
+    ("wrong type", {**CHAT, "max_tokens": "many"}, "max_tokens"),
+    ("unknown role", {"messages": [{"role": "wizard", "content": "hi"}]}, "wizard"),
+    ("empty messages", {"messages": []}, "messages"),
+    ("missing messages", {"temperature": 0}, "messages"),
+    ("prompt too long", {"messages": [{"role": "user", "content": "x" * 5000}]}, "slot context"),
+    ("max_tokens too large", {**CHAT, "max_tokens": 5000}, "max_tokens"),
+    ("negative temperature", {**CHAT, "temperature": -0.5}, "temperature"),
+    ("nan temperature", b'{"messages": [{"role": "user", "content": "hi"}], "temperature": NaN}', "temperature"),
+    ("top_p zero", {**CHAT, "top_p": 0}, "top_p"),
+    ("top_p above one", {**CHAT, "top_p": 1.5}, "top_p"),
+    ("n above one", {**CHAT, "n": 2}, "n"),
+    ("tools", {**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ("json response format", {**CHAT, "response_format": {"type": "json_object"}}, "response_format"),
+    ("five stop strings", {**CHAT, "stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    ("bad logit bias", {**CHAT, "logit_bias": {"99999": 1}}, "logit_bias"),
+    ("bad id_slot", {**CHAT, "id_slot": 7}, "id_slot"),
+]
+
+
+@pytest.mark.parametrize("name,body,word", BAD_INPUTS, ids=[b[0] for b in BAD_INPUTS])
+def test_bad_input_gets_a_400_naming_the_problem(client, name, body, word):
+    if isinstance(body, bytes):
+        r = client.post("/v1/chat/completions", content=body, headers={"Content-Type": "application/json"})
+    else:
+        r = client.post("/v1/chat/completions", json=body)
+    assert_error(r, 400, word)
+
+
+def test_other_refusals_and_the_server_still_serves(client):
+    assert_error(client.post("/v1/chat/completions", json={**CHAT, "model": "gpt-4"}), 404, "gpt-4")
+    assert_error(client.post("/v1/completions", content=b"x" * 70000), 413, "limit")
+    assert_error(client.post("/v1/embeddings", json={"input": "hi"}), 404, "embeddings")
+    assert_error(client.post("/rerank", json={}), 404)
+    for model in ("tiny", "default", None):
+        r = client.post("/v1/chat/completions", json={**CHAT, "model": model, "max_tokens": 2})
+        assert r.status_code == 200, r.text
+
+
+def wait_idle(client: httpx.Client, timeout: float = 10.0) -> list[dict]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        slots = client.get("/slots").json()
+        if not any(s["is_processing"] for s in slots):
+            return slots
+        time.sleep(0.05)
+    raise AssertionError(f"slots still busy after {timeout} s: {slots}")
+
+
+def test_disconnect_mid_stream_frees_the_slot(server, client):
+    body = {**CHAT, "max_tokens": 4000, "ignore_eos": True, "stream": True}
+    with server.client() as c, c.stream("POST", "/v1/chat/completions", json=body) as r:
+        for i, _ in enumerate(sse_events(r)):
+            if i == 3:
+                break
+        assert any(s["is_processing"] for s in client.get("/slots").json())
+    wait_idle(client)
+    r = client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 2})
+    assert r.status_code == 200
+
+
+def test_metrics_count_requests_and_answer_while_generating(server, client):
+    body = {**CHAT, "max_tokens": 3000, "ignore_eos": True, "stream": True}
+    done = threading.Event()
+
+    def stream():
+        with server.client() as c, c.stream("POST", "/v1/chat/completions", json=body) as r:
+            for _ in sse_events(r):
+                if done.is_set():
+                    break
+
+    t = threading.Thread(target=stream)
+    t.start()
+    try:
+        deadline = time.monotonic() + 10
+        while not any(s["is_processing"] for s in client.get("/slots").json()):
+            assert time.monotonic() < deadline
+        t0 = time.monotonic()
+        text = client.get("/metrics").text
+        assert client.get("/health").status_code == 200
+        assert time.monotonic() - t0 < 2.0  # the event loop does not wait on forward passes
+    finally:
+        done.set()
+        t.join(timeout=30)
+    for name in ("prompt_tokens_total", "prompt_seconds_total", "tokens_predicted_total",
+                 "tokens_predicted_seconds_total", "requests_processing", "requests_deferred",
+                 "draft_tokens_total", "draft_tokens_accepted_total", "n_decode_total",
+                 "time_to_first_token_seconds_bucket", "inter_token_latency_seconds_count"):
+        assert f"tandem:{name}" in text, name
+    assert "tandem:requests_processing 1" in text
+    wait_idle(client)
