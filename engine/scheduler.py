@@ -126,7 +126,7 @@ class Scheduler:
                     slot.cached_ids = []
                     self.kv.truncate(slot.id, 0)
                 continue
-            victim = max(self.running, key=lambda r: r.t_started)
+            victim = max(self.running, key=lambda r: (r.t_started, r.t_submitted))
             plan.preempted.append(victim)
             plan.rows = [p for p in plan.rows if p.request is not victim]
             self.release(victim)

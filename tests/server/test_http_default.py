@@ -1,0 +1,104 @@
+"""Greedy output through a real server on the default model (SmolLM2-135M): the official openai
+client, concurrent streams against solo runs, and prefix reuse. One server for the module.
+
+Token lists are compared with the exact-token rule of DESIGN.md; the reference's top-2 logit gap
+comes from its own top_logprobs (a logprob gap equals the logit gap)."""
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from tests.exact_tokens import NEAR_TIE, first_difference
+from tests.server.helpers import sse_events
+
+N_TOKENS = 12
+QUESTIONS = ["What is the capital of France?", "Name three colours.", "Why is the sky blue?",
+             "Write a haiku about rain."]
+
+
+@pytest.fixture(scope="module")
+def server(start_server):
+    s = start_server(["-m", "default", "-np", "2", "-c", "4096", "-ub", "128", "--alias", "smollm2"])
+    yield s
+    s.kill()
+
+
+def chat(question: str, system: str | None = None) -> dict:
+    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": question}]
+    return {"messages": messages, "temperature": 0, "max_tokens": N_TOKENS, "logprobs": True, "top_logprobs": 2}
+
+
+def tokens_of(entries: list[dict]) -> list[int]:
+    return [e["id"] for e in entries]
+
+
+def assert_same_greedy(got: list[dict], ref: list[dict]) -> None:
+    """got, ref: chat logprobs entries; ref's top-2 decide whether a difference is a near-tie."""
+    a, b = tokens_of(got), tokens_of(ref)
+    i = first_difference(a, b)
+    if i is None:
+        return
+    assert i < min(len(a), len(b)), f"one output is a prefix of the other: {a} vs {b}"
+    top = ref[i]["top_logprobs"]
+    gap = top[0]["logprob"] - top[1]["logprob"]
+    assert gap < NEAR_TIE, f"first difference at token {i} ({a[i]} vs {b[i]}) is not a near-tie (gap {gap:.4g})"
+
+
+def whole(client, body: dict) -> dict:
+    r = client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def streamed(server, body: dict) -> tuple[list[dict], list[dict]]:
+    """(chunks, logprob entries) of one streamed chat completion."""
+    with server.client() as c, c.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
+        assert r.status_code == 200
+        chunks = list(sse_events(r))
+    entries = [e for ch in chunks if ch["choices"] and ch["choices"][0].get("logprobs")
+               for e in ch["choices"][0]["logprobs"]["content"]]
+    return chunks, entries
+
+
+def test_openai_client_stream_equals_non_streamed(server):
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", timeout=120, max_retries=0)
+    kwargs = dict(model="smollm2", messages=[{"role": "user", "content": QUESTIONS[0]}], temperature=0,
+                  max_tokens=N_TOKENS)
+    full = client.chat.completions.create(**kwargs)
+    text = "".join(chunk.choices[0].delta.content or "" for chunk in
+                   client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs)
+                   if chunk.choices)
+    assert full.choices[0].message.content and text == full.choices[0].message.content
+    assert full.usage.completion_tokens == full.model_extra["timings"]["predicted_n"]
+
+
+def test_four_concurrent_streams_on_two_slots_match_solo_runs(server):
+    with server.client() as c:
+        solo = [whole(c, chat(q)) for q in QUESTIONS]
+        with ThreadPoolExecutor(4) as pool:
+            together = list(pool.map(lambda q: streamed(server, chat(q)), QUESTIONS))
+        busy = c.get("/metrics").text
+    for (chunks, entries), ref in zip(together, solo):
+        ref_entries = ref["choices"][0]["logprobs"]["content"]
+        assert chunks[-1]["choices"][0]["finish_reason"] == ref["choices"][0]["finish_reason"]
+        assert_same_greedy(entries, ref_entries)
+        if tokens_of(entries) == tokens_of(ref_entries):
+            text = "".join(ch["choices"][0]["delta"].get("content", "") for ch in chunks)
+            assert text == ref["choices"][0]["message"]["content"]
+    per_step = float(next(line.split()[1] for line in busy.splitlines()
+                          if line.startswith("tandem:n_busy_slots_per_decode")))
+    assert per_step > 1.0  # steps batched both slots
+
+
+def test_prefix_reuse_reports_cache_n_and_keeps_the_output(server):
+    system = "You are a careful assistant. " * 12 + "Answer in one short sentence."
+    with server.client() as c:
+        whole(c, chat(QUESTIONS[1], system))
+        reused = whole(c, chat(QUESTIONS[2], system))
+        fresh = whole(c, {**chat(QUESTIONS[2], system), "cache_prompt": False})
+    assert reused["timings"]["cache_n"] > 50
+    assert fresh["timings"]["cache_n"] == 0
+    assert reused["usage"]["prompt_tokens"] == reused["timings"]["cache_n"] + reused["timings"]["prompt_n"]
+    assert_same_greedy(reused["choices"][0]["logprobs"]["content"], fresh["choices"][0]["logprobs"]["content"])

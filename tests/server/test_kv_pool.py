@@ -1,0 +1,79 @@
+"""The shared KV pool behind --kv-unified: page bookkeeping, reads equal writes, and what happens
+when the pool runs out mid-generation (the youngest request stops with "length")."""
+from __future__ import annotations
+
+import queue
+
+import pytest
+import torch
+
+from engine.engine import Engine, EngineConfig
+from engine.kv_cache import PagedKVCache, PagePool
+from engine.sampling import SamplingParams
+
+
+def test_pool_gives_contiguous_pages_when_it_can_and_takes_nothing_when_short():
+    pool = PagePool(num_pages=6, page_size=4, num_slots=2)
+    assert pool.ensure(0, 5) and pool.pages[0] == [0, 1]
+    assert pool.ensure(1, 4) and pool.pages[1] == [2]
+    assert pool.ensure(0, 9) and pool.pages[0] == [0, 1, 3]
+    assert not pool.ensure(1, 17) and pool.pages[1] == [2] and pool.num_free == 2
+    pool.truncate(0, 4)
+    assert pool.pages[0] == [0] and pool.num_free == 4
+    assert pool.ensure(1, 8) and pool.pages[1] == [2, 3]
+
+
+def test_paged_reads_return_what_was_written_for_interleaved_slots():
+    cache = PagedKVCache(num_layers=1, num_slots=2, capacity=64, kv_heads=2, head_dim=3)
+    written = {0: [], 1: []}
+    for step in range(20):  # alternate slots so their pages interleave: the gather path
+        for slot in (0, 1):
+            n = len(written[slot])
+            assert cache.ensure(slot, n + 1)
+            k = torch.randn(2, 1, 3)
+            cache.write(0, slot, n, k, -k)
+            written[slot].append(k)
+    for slot in (0, 1):
+        keys, values = cache.read(0, slot, 20)
+        expected = torch.cat(written[slot], dim=1)
+        assert torch.equal(keys, expected) and torch.equal(values, -expected)
+
+
+def run_all(engine: Engine, prompts: list[list[int]], params: SamplingParams):
+    outputs: queue.SimpleQueue = queue.SimpleQueue()
+    requests = [engine.submit(p, params, outputs.put, cache_prompt=False) for p in prompts]
+    finished = 0
+    while finished < len(requests):
+        while outputs.empty():
+            engine._drain_inbox()
+            engine.step()
+        finished += outputs.get().finished
+    return requests
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_model):
+    split = Engine.load(EngineConfig(model=str(tiny_model), ctx_size=512, parallel=2))
+    unified = Engine.load(EngineConfig(model=str(tiny_model), ctx_size=160, parallel=2, kv_unified=True))
+    return split, unified
+
+
+def test_unified_pool_gives_the_same_greedy_tokens(engines):
+    split, unified = engines
+    prompts = [list(range(300, 300 - 1 - i * 7, -1))[:20 + i] for i in range(2)]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    a = run_all(split, prompts, params)
+    b = run_all(unified, prompts, params)
+    assert [r.output_ids for r in a] == [r.output_ids for r in b]
+    assert all(r.finish_reason == "length" and len(r.output_ids) == 40 for r in b)
+
+
+def test_exhausted_pool_stops_the_youngest_with_length_and_keeps_serving(engines):
+    _, unified = engines  # 160 positions for two requests that want 40 + 100 each
+    params = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
+    older, younger = run_all(unified, [[65] * 40, [66] * 40], params)
+    assert older.finish_reason == "length" and len(older.output_ids) == 100
+    assert younger.finish_reason == "length" and 0 < len(younger.output_ids) < 100
+    assert younger.timings().predicted_n == len(younger.output_ids)
+    again = run_all(unified, [[67] * 10], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))[0]
+    assert len(again.output_ids) == 20
