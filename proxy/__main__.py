@@ -1,0 +1,72 @@
+"""`python -m proxy --config configs/proxy.yaml`: one port for many models.
+
+Validates the config (every problem at once, exit code 2), then serves. SIGHUP (or POST
+/config/reload) re-reads the profiles; SIGTERM or Ctrl-C stops every server the proxy started.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+
+import uvicorn
+
+from proxy.app import create_app
+from proxy.config import ConfigError, load_config
+
+log = logging.getLogger("tandem.proxy")
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m proxy", description=__doc__.splitlines()[0])
+    p.add_argument("--config", default="configs/proxy.yaml", help="proxy YAML (it names the profile files)")
+    p.add_argument("--host", help="listen address (default from the config: 127.0.0.1)")
+    p.add_argument("--port", type=int, help="listen port (default from the config: 8082)")
+    p.add_argument("--state-dir", help="job records, child records and server logs")
+    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every endpoint but /health")
+    p.add_argument("--check", action="store_true", help="validate the config, list the profiles, and exit")
+    return p
+
+
+class ProxyServer(uvicorn.Server):
+    """uvicorn plus SIGHUP for a config reload."""
+
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets)
+        asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, self._reload)
+
+    def _reload(self) -> None:
+        try:
+            self.config.app.state.proxy.reload()
+        except ConfigError as e:
+            log.error("config reload refused; the old config stays:\n%s", e)
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per health poll and relayed request
+    a = parser().parse_args(argv)
+    overrides = {k: v for k, v in (("host", a.host), ("port", a.port), ("state_dir", a.state_dir),
+                                   ("api_key", a.api_key)) if v is not None}
+    try:
+        config = load_config(a.config, overrides)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if a.check:
+        for name, p in sorted(config.profiles.items()):
+            print(f"{name}: model {p.model}, {len(p.replicas)} replica(s), ctx {p.ctx_size}, parallel {p.parallel}")
+        return 0
+    s = config.settings
+    server = ProxyServer(uvicorn.Config(create_app(config, overrides), host=s.host, port=s.port, log_level="warning",
+                                        timeout_graceful_shutdown=5, lifespan="on"))
+    log.info("proxy on http://%s:%d, %d profile(s), state in %s", s.host, s.port, len(config.profiles),
+             config.state_dir)
+    server.run()
+    return 0 if server.started else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

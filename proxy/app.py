@@ -1,0 +1,229 @@
+"""The proxy's FastAPI app: jobs, what runs, models, health, metrics, logs, config reload, and
+the relay routes. Built around one Proxy object made at startup (see `lifespan`)."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import sqlite3
+from dataclasses import dataclass
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Route
+
+from proxy.children import ChildRegistry, reap_leftovers
+from proxy.config import ConfigError, ProxyConfig, load_config
+from proxy.events import Reload
+from proxy.forward import send_error
+from proxy.jobs import JobRequest, JobStatus, JobStore
+from proxy.logbus import BusHandler, LogBus
+from proxy.metrics import ProxyMetrics
+from proxy.passthrough import Completions, Upstream
+from proxy.scheduler import Scheduler
+from proxy.supervisor import Supervisor
+from server.protocol import APIError, error_body
+
+log = logging.getLogger("tandem.proxy")
+# Upstream reads may wait as long as a generation takes; connecting to a local server may not.
+UPSTREAM_TIMEOUT = httpx.Timeout(connect=5.0, read=None, write=60.0, pool=None)
+
+
+@dataclass
+class Proxy:
+    config: ProxyConfig
+    overrides: dict
+    db: sqlite3.Connection
+    store: JobStore
+    scheduler: Scheduler
+    supervisor: Supervisor
+    bus: LogBus
+    metrics: ProxyMetrics
+    http: httpx.AsyncClient
+
+    def reload(self) -> ProxyConfig:
+        """Re-reads the config; raises ConfigError (and changes nothing) when any profile is invalid."""
+        config = load_config(self.config.path, self.overrides)
+        self.config = config
+        self.scheduler.post(Reload(config))
+        log.info("config reloaded: %d profile(s)", len(config.profiles))
+        return config
+
+
+class ApiKey:
+    """Pure ASGI (no task per request): 'Authorization: Bearer KEY' on everything but /health."""
+
+    def __init__(self, app, key: str | None):
+        self.app, self.expected = app, f"Bearer {key}".encode() if key else None
+
+    async def __call__(self, scope, receive, send) -> None:
+        if self.expected and scope["type"] == "http" and scope["path"] != "/health":
+            given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+            if given != self.expected:
+                await send_error(send, 401, "invalid or missing API key (Authorization: Bearer KEY)")
+                return
+        await self.app(scope, receive, send)
+
+
+@contextlib.asynccontextmanager
+async def start_proxy(config: ProxyConfig, overrides: dict | None = None):
+    """Opens the state, settles what an earlier proxy process left behind, runs the scheduler."""
+    state_dir = config.state_dir
+    (state_dir / "logs").mkdir(parents=True, exist_ok=True)
+    db = sqlite3.connect(state_dir / "proxy.db")
+    db.execute("PRAGMA journal_mode=WAL")
+    store, children = JobStore(db), ChildRegistry(db)
+    for job in store.recover("the proxy stopped while this job was unfinished"):
+        log.warning("job %s (%s %s) was %s by a proxy restart", job.id, job.type.value, job.model, job.status.value)
+    await reap_leftovers(children)
+    bus = LogBus()
+    handler = BusHandler(bus, asyncio.get_running_loop())
+    handler.setFormatter(logging.Formatter("%(levelname)s %(message)s"))
+    logging.getLogger("tandem.proxy").addHandler(handler)
+    scheduler = Scheduler(config, effects=None, store=store)
+    supervisor = Supervisor(scheduler.post, children, bus, state_dir / "logs", config.settings.log_tail_lines)
+    scheduler.effects = supervisor
+    http = httpx.AsyncClient(timeout=UPSTREAM_TIMEOUT, limits=httpx.Limits(max_connections=None,
+                                                                             max_keepalive_connections=256))
+    proxy = Proxy(config, overrides or {}, db, store, scheduler, supervisor, bus, ProxyMetrics(), http)
+    run = asyncio.ensure_future(scheduler.run())
+    try:
+        yield proxy
+    finally:
+        run.cancel()
+        scheduler.interrupt("the proxy shut down")
+        await supervisor.shutdown()
+        await http.aclose()
+        logging.getLogger("tandem.proxy").removeHandler(handler)
+        db.close()
+
+
+def create_app(config: ProxyConfig, overrides: dict | None = None) -> FastAPI:
+    holder: list[Proxy] = []
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        async with start_proxy(config, overrides) as proxy:
+            holder.append(proxy)
+            app.state.proxy = proxy
+            yield
+
+    app = FastAPI(title="tandem proxy", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(ApiKey, key=config.settings.api_key)
+
+    class Deferred:
+        """A relay route bound to the Proxy once the lifespan has made it."""
+
+        def __init__(self, make):
+            self.make, self.app = make, None
+
+        async def __call__(self, scope, receive, send):
+            if self.app is None:
+                self.app = self.make(holder[0])
+            await self.app(scope, receive, send)
+
+    for path in ("/v1/chat/completions", "/v1/completions"):
+        app.router.routes.append(Route(path, Deferred(lambda p, path=path: Completions(p, path)), methods=["POST"]))
+    app.router.routes.append(Route("/upstream/{model}/{path:path}", Deferred(Upstream),
+                                   methods=["GET", "POST", "PUT", "DELETE"]))
+
+    def proxy_of(request: Request) -> Proxy:
+        return request.app.state.proxy
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, e: APIError):
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, e: RequestValidationError):
+        problems = "; ".join(f"{'.'.join(str(p) for p in err['loc'][1:]) or 'body'}: {err['msg']}"
+                             for err in e.errors())
+        return JSONResponse(error_body(400, problems), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, e: StarletteHTTPException):
+        message = {404: f"{request.url.path}: no such endpoint on the proxy",
+                   405: f"{request.method} {request.url.path}: method not allowed"}.get(e.status_code, str(e.detail))
+        return JSONResponse(error_body(e.status_code, message), status_code=e.status_code)
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.post("/jobs", status_code=202)
+    async def submit_job(request: Request):
+        try:  # JSON whatever the content type says: `curl -d` sends form encoding
+            body = JobRequest.model_validate_json(await request.body())
+        except ValidationError as e:
+            raise APIError(400, "; ".join(f"{'.'.join(map(str, err['loc'])) or 'body'}: {err['msg']}"
+                                          for err in e.errors())) from e
+        return await proxy_of(request).scheduler.submit(body.type, body.model)
+
+    @app.get("/jobs")
+    async def list_jobs(request: Request, model: str | None = None, status: JobStatus | None = None,
+                        limit: int = 100):
+        return proxy_of(request).store.list(model, status, max(1, min(limit, 10_000)))
+
+    @app.get("/jobs/{job_id}")
+    async def get_job(job_id: str, request: Request):
+        p = proxy_of(request)
+        job = p.scheduler.jobs.get(job_id) or p.store.get(job_id)
+        if job is None:
+            raise APIError(404, f"job {job_id!r} not found", "not_found_error")
+        return job
+
+    @app.delete("/jobs/{job_id}")
+    async def cancel_job(job_id: str, request: Request):
+        return await proxy_of(request).scheduler.cancel(job_id)
+
+    @app.get("/running")
+    async def running(request: Request):
+        return {"models": proxy_of(request).scheduler.running()}
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        p = proxy_of(request)
+        data = []
+        for name, profile in sorted(p.config.profiles.items()):
+            m = p.scheduler.models.get(name)
+            data.append({"id": name, "object": "model", "created": 0, "owned_by": "tandem",
+                         "status": {"value": m.status.value if m else "unloaded"},
+                         "meta": {"model": profile.model, "n_ctx": profile.ctx_size, "parallel": profile.parallel,
+                                  "replicas": len(profile.replicas), "autoload": profile.autoload,
+                                  "group": profile.group}})
+        return {"object": "list", "data": data}
+
+    @app.get("/metrics")
+    async def metrics(request: Request):
+        p = proxy_of(request)
+        counts = {s.value: n for s, n in p.store.counts().items()}
+        models = [m.snapshot() for m in p.scheduler.models.values()]
+        return PlainTextResponse(p.metrics.render(models, counts), media_type="text/plain; version=0.0.4")
+
+    @app.get("/logs/stream")
+    async def logs(request: Request, model: str | None = None):
+        bus = proxy_of(request).bus
+
+        async def lines():
+            sub = bus.subscribe(model)
+            try:
+                while True:
+                    yield f"data: {json.dumps((await sub.queue.get()).as_dict())}\n\n"
+            finally:
+                bus.unsubscribe(sub)
+        return StreamingResponse(lines(), media_type="text/event-stream", headers={"X-Accel-Buffering": "no"})
+
+    @app.post("/config/reload")
+    async def reload(request: Request):
+        try:
+            config = proxy_of(request).reload()
+        except ConfigError as e:
+            raise APIError(400, str(e)) from e
+        return {"profiles": sorted(config.profiles)}
+
+    return app

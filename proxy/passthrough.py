@@ -1,0 +1,107 @@
+"""The routes that relay to servers: completions (a slot per request, queued when all are busy)
+and /upstream/{model}/{path} (straight to a replica, no slot: for /props, /slots, /metrics)."""
+from __future__ import annotations
+
+import asyncio
+import json
+from urllib.parse import parse_qsl, urlencode
+
+from proxy.forward import DisconnectWatch, read_body, relay, send_error
+from proxy.router import ReplicaState
+from server.protocol import APIError
+
+BODY_LIMIT = 32 * 2**20
+
+
+def model_of(body: bytes) -> tuple[str | None, str | None]:
+    """(model, None) or (None, why the body names no model)."""
+    try:
+        data = json.loads(body)
+    except ValueError:
+        return None, "the request body is not valid JSON"
+    model = data.get("model") if isinstance(data, dict) else None
+    if not isinstance(model, str) or not model:
+        return None, "model: required (the name of a configured profile; GET /v1/models lists them)"
+    return model, None
+
+
+class Completions:
+    """Raw ASGI endpoint; `proxy` is the running Proxy (see proxy.app)."""
+
+    def __init__(self, proxy, path: str):
+        self.proxy, self.path = proxy, path
+
+    async def __call__(self, scope, receive, send) -> None:
+        p = self.proxy
+        body = await read_body(receive, BODY_LIMIT)
+        if body is None:
+            await send_error(send, 413, f"request body larger than {BODY_LIMIT} bytes")
+            return
+        model, problem = model_of(body)
+        if problem:
+            await send_error(send, 400, problem)
+            return
+        watch = DisconnectWatch(receive)
+        lease = None
+        try:
+            try:
+                lease = await p.scheduler.acquire(model)
+            except APIError as e:
+                watch.disarm()
+                await send_error(send, e.status, e.message, e.type)
+                return
+            replica = lease.replica
+            outcome = await relay(scope, send, watch, p.http, f"http://127.0.0.1:{replica.port}", self.path, body,
+                                  why_cancelled=lambda: lease.cancel_reason)
+            p.metrics.on_request(model, outcome.status, outcome.timings)
+            p.scheduler.release(lease, outcome.failure)
+            lease = None
+        except asyncio.CancelledError:
+            if not (watch.fired or (lease is not None and lease.cancel_reason)):
+                raise  # the proxy itself is stopping
+            asyncio.current_task().uncancel()  # handled: the client left, or was told why it was cut off
+        finally:
+            watch.close()
+            if lease is not None:
+                p.scheduler.release(lease)
+
+
+class Upstream:
+    """/upstream/{model}/{path}?replica=N: a replica's own endpoint. No slot is taken, so a
+    monitoring call never waits behind generation."""
+
+    def __init__(self, proxy):
+        self.proxy = proxy
+
+    async def __call__(self, scope, receive, send) -> None:
+        p = self.proxy
+        model, path = scope["path_params"]["model"], "/" + scope["path_params"]["path"]
+        body = await read_body(receive, BODY_LIMIT)
+        if body is None:
+            await send_error(send, 413, f"request body larger than {BODY_LIMIT} bytes")
+            return
+        query = parse_qsl(scope.get("query_string", b"").decode(), keep_blank_values=True)
+        wanted = next((v for k, v in query if k == "replica"), None)
+        m = p.scheduler.models.get(model)
+        if m is None:
+            e = p.scheduler.unknown_model(model)
+            await send_error(send, e.status, e.message, e.type)
+            return
+        live = [r for r in m.pool.replicas if r.state is not ReplicaState.failed]
+        if wanted is not None:
+            live = [r for r in live if str(r.index) == wanted]
+        if not live:
+            which = f" replica {wanted}" if wanted is not None else ""
+            await send_error(send, 503, f"model {model!r}{which} has no running server ({m.status.value})")
+            return
+        replica = min(live, key=lambda r: (r.busy, r.index))
+        scope = {**scope, "query_string": urlencode([(k, v) for k, v in query if k != "replica"]).encode()}
+        watch = DisconnectWatch(receive)
+        try:
+            await relay(scope, send, watch, p.http, f"http://127.0.0.1:{replica.port}", path, body)
+        except asyncio.CancelledError:
+            if not watch.fired:
+                raise
+            asyncio.current_task().uncancel()
+        finally:
+            watch.close()
