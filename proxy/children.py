@@ -96,19 +96,20 @@ class ChildRegistry:
 
 
 def signal_group(pid: int, sig: int) -> None:
-    """Servers lead their own process group (start_new_session), so the group takes their helpers too."""
+    """Servers lead their own process group (start_new_session), so the group takes their helpers
+    too; a process that leads no group gets the signal alone."""
     try:
         os.killpg(pid, sig)
+        return
+    except (ProcessLookupError, PermissionError):
+        pass
+    try:
+        os.kill(pid, sig)
     except ProcessLookupError:
         pass
-    except PermissionError:
-        try:
-            os.kill(pid, sig)
-        except ProcessLookupError:
-            pass
 
 
-async def reap_leftovers(registry: ChildRegistry, grace: float = 5.0) -> list[ChildRecord]:
+async def reap_leftovers(registry: ChildRegistry, grace: float = 3.0) -> list[ChildRecord]:
     """Stops recorded children of an earlier proxy process that still run; returns the ones stopped.
     Called once at start, before any new server is started."""
     stopped = []

@@ -200,20 +200,20 @@ def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> Pr
             if name in origin:
                 errors.append(f"{where}: already defined in {origin[name]}")
                 continue
+            origin[name] = file
             if not isinstance(body, dict):
                 errors.append(f"{where}: must be a mapping of fields")
                 continue
+            if "name" in body:
+                errors.append(f"{where}: name: unknown key (a profile's name is its key in the file)")
+                continue
+            group = body.get("group")
+            if isinstance(group, str) and group not in settings.groups:
+                errors.append(f"{where}: group: {group!r} is not declared under `groups` in {path}")
             try:
-                profile = Profile(name=name, **body)
+                profiles[name] = Profile(**{**body, "name": name})
             except ValidationError as e:
                 errors += [f"{where}: {m}" for m in _field_errors(e)]
-                continue
-            except TypeError as e:  # e.g. a `name` key inside the body
-                errors.append(f"{where}: {e}")
-                continue
-            if profile.group is not None and profile.group not in settings.groups:
-                errors.append(f"{where}: group: {profile.group!r} is not declared under `groups` in {path}")
-            profiles[name], origin[name] = profile, file
     if errors:
         raise ConfigError(f"{len(errors)} problem(s) in the proxy config:\n" + "\n".join(errors))
     return ProxyConfig(settings=settings, profiles=profiles, path=path)

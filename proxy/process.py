@@ -78,5 +78,8 @@ class ServerProcess:
             except asyncio.TimeoutError:
                 signal_group(self.pid, signal.SIGKILL)
         code = await self.proc.wait()
-        signal_group(self.pid, signal.SIGKILL)  # helpers the server left behind in its group
+        try:  # helpers the server left behind in its group; never the bare pid, which may be reused now
+            os.killpg(self.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
         return code

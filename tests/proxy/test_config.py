@@ -1,0 +1,75 @@
+"""Profiles are validated at start: every problem of every file at once, with file, profile, field."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from proxy.config import ConfigError, load_config
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def write(tmp_path: Path, proxy: str, **profiles: str) -> Path:
+    (tmp_path / "profiles").mkdir()
+    for name, text in profiles.items():
+        (tmp_path / "profiles" / f"{name}.yaml").write_text(text)
+    (tmp_path / "proxy.yaml").write_text(proxy)
+    return tmp_path / "proxy.yaml"
+
+
+def test_shipped_config_is_valid():
+    config = load_config(REPO / "configs" / "proxy.yaml")
+    assert "smollm2" in config.profiles and config.settings.port == 8082
+
+
+def test_profile_fields_and_what_the_proxy_reads_from_args(tmp_path):
+    path = write(tmp_path, "groups: {g: {exclusive: true}}\n", one="""
+m:
+  args: [-m, /models/m, --ctx-size=4096, -np, "3", --dtype, bf16]
+  replicas: [{args: [--devices, cuda:0]}, {args: [--devices, cuda:1]}]
+  restart: on-failure
+  group: g
+n:
+  args: [--model, /models/n]
+  restart: no
+""")
+    config = load_config(path)
+    m, n = config.profiles["m"], config.profiles["n"]
+    assert (m.model, m.ctx_size, m.parallel, len(m.replicas)) == ("/models/m", 4096, 3, 2)
+    assert m.args == ("-m", "/models/m", "--ctx-size=4096", "-np", "3", "--dtype", "bf16")  # untouched
+    assert (n.ctx_size, n.parallel, n.restart, n.autoload) == (None, None, "never", False)
+
+
+def test_all_problems_are_reported_at_once_with_file_profile_and_field(tmp_path):
+    path = write(tmp_path, "groups: {}\n", one="""
+a:
+  args: [-m, x]
+  replicaz: 2
+b:
+  args: [-np, "2"]
+  health_timeout: -1
+""", two="""
+c:
+  args: [-m, y, --port, "9000"]
+  group: missing
+a:
+  args: [-m, z]
+""")
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    text = str(info.value)
+    for expected in ("one.yaml: profile 'a': replicaz: unknown key",
+                     "one.yaml: profile 'b': args: must name the model with -m/--model",
+                     "one.yaml: profile 'b': health_timeout:",
+                     "two.yaml: profile 'c': args: --port is set by the proxy",
+                     "two.yaml: profile 'c': group: 'missing' is not declared",
+                     "two.yaml: profile 'a': already defined in"):
+        assert expected in text, text
+    assert text.startswith("6 problem(s)")
+
+
+def test_unknown_proxy_setting_is_named(tmp_path):
+    path = write(tmp_path, "prot: 1\n", one="a: {args: [-m, x]}\n")
+    with pytest.raises(ConfigError, match=r"proxy.yaml: prot: unknown key"):
+        load_config(path)

@@ -1,0 +1,67 @@
+"""When servers fail: a server that cannot start, one killed mid-stream, and exclusive swaps."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+
+import httpx
+import pytest
+
+from tests.proxy.conftest import alive, pids_with, sse_events, tiny_profile, wait_until
+
+
+@pytest.fixture(scope="module")
+def proxy(make_proxy, tiny_model, tmp_path_factory):
+    missing = tmp_path_factory.mktemp("missing") / "no-such-model"
+    return make_proxy({
+        "broken": tiny_profile(missing),
+        "crashy": tiny_profile(tiny_model, restart="on-failure", restart_limit=2),
+        "x": tiny_profile(tiny_model, parallel=1, group="pair"),
+        "y": tiny_profile(tiny_model, parallel=1, group="pair"),
+    }, groups={"pair": {"exclusive": True}})
+
+
+def test_server_that_fails_to_start_gives_a_failed_job_with_its_reason_and_no_leftover(proxy):
+    job = proxy.job("load", "broken")
+    assert job["status"] == "failed" and job["duration_s"] is not None
+    assert "replica 0 exited with code" in job["error"] and "no-such-model" in job["error"], job["error"]
+    assert job["log_tail"] and any("no-such-model" in line for line in job["log_tail"])
+    assert proxy.replicas("broken") == [] and pids_with("--alias broken") == []
+    r = proxy.client.post("/v1/completions", json={"model": "broken", "prompt": "x"})
+    assert r.status_code == 503 and "exited with code" in r.json()["error"]["message"]
+
+
+def test_upstream_killed_mid_stream_ends_the_stream_with_an_error_and_restarts(proxy):
+    assert proxy.job("load", "crashy")["status"] == "succeeded"
+    [before] = proxy.replicas("crashy")
+    body = {"model": "crashy", "prompt": "x", "max_tokens": 900, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", proxy.url + "/v1/completions", json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        wait_until(lambda: next(lines).startswith("data: "), 30, "the first event")
+        os.kill(before["pid"], signal.SIGKILL)
+        events = sse_events(lines)
+    assert "error" in events[-1] and "upstream" in events[-1]["error"]["message"], events[-1]
+    restarted = wait_until(lambda: [r for r in proxy.replicas("crashy") if r["state"] == "ready"], 90,
+                           "the replica to come back")
+    assert restarted[0]["pid"] != before["pid"]
+    restart_job = proxy.client.get("/jobs", params={"model": "crashy"}).json()[0]
+    assert (restart_job["trigger"], restart_job["status"]) == ("restart", "succeeded")
+    assert "restart 1/2" in restart_job["message"]
+    r = proxy.client.post("/v1/completions", json={"model": "crashy", "prompt": "x", "max_tokens": 2})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+
+
+def test_exclusive_group_swaps_models_with_recorded_jobs(proxy):
+    assert proxy.job("load", "x")["status"] == "succeeded"
+    [x] = proxy.replicas("x")
+    load_y = proxy.job("load", "y")
+    assert load_y["status"] == "succeeded"
+    unload_x = proxy.client.get("/jobs", params={"model": "x", "limit": 1}).json()[0]
+    assert (unload_x["type"], unload_x["trigger"], unload_x["status"]) == ("unload", "exclusive", "succeeded")
+    assert "making way for 'y'" in unload_x["message"]
+    assert unload_x["finished_at"] <= load_y["finished_at"]
+    assert not alive(x["pid"]) and proxy.replicas("x") == [] and len(proxy.replicas("y")) == 1
+    statuses = {m["model"]: m["status"] for m in proxy.client.get("/running").json()["models"]}
+    assert statuses.get("y") == "ready" and "x" not in statuses
+    print(json.dumps(load_y))

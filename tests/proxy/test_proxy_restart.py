@@ -1,0 +1,67 @@
+"""A proxy killed with SIGKILL: its servers do not outlive it, and its successor keeps the history.
+
+One fake server here ignores SIGTERM (so the parent-death signal cannot stop it): the restarted
+proxy must find it in its records and kill it."""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+
+import pytest
+
+from proxy.children import ChildRegistry, reap_leftovers, start_ticks
+from tests.proxy.conftest import alive, pids_with, tiny_profile, wait_until
+
+STUBBORN = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(120)"
+
+
+def test_proxy_killed_with_sigkill_leaves_no_server_once_restarted(make_proxy, tiny_model, tmp_path):
+    script = tmp_path / "stubborn_server.py"  # its path in the command line lets the finalizer find it
+    script.write_text(STUBBORN)
+    proxy = make_proxy({"tiny": tiny_profile(tiny_model, parallel=1),
+                        "stubborn": {"args": ["-m", "x"], "command": [sys.executable, str(script)],
+                                     "health_timeout": 300}})
+    loaded = proxy.job("load", "tiny")
+    [server] = proxy.replicas("tiny")
+    hanging = proxy.client.post("/jobs", json={"type": "load", "model": "stubborn"}).json()
+    queued = proxy.client.post("/jobs", json={"type": "unload", "model": "stubborn"}).json()
+    stubborn = wait_until(lambda: pids_with(str(script)), 10, "the stubborn server")
+
+    proxy.proc.kill()
+    proxy.proc.wait(10)
+    try:
+        wait_until(lambda: not alive(server["pid"]), 15, "the server to die with its parent")
+        assert all(alive(p) for p in stubborn)  # it ignored the parent-death signal
+
+        proxy.start()  # same config and state directory
+        wait_until(lambda: not any(alive(p) for p in stubborn), 10, "the leftover to be stopped")
+    finally:
+        for pid in pids_with(str(script)):
+            os.kill(pid, signal.SIGKILL)
+    jobs = {j["id"]: j for j in proxy.client.get("/jobs").json()}
+    assert jobs[loaded["id"]]["status"] == "succeeded"
+    assert jobs[hanging["id"]]["status"] == "failed" and jobs[hanging["id"]]["error"].startswith("interrupted: ")
+    assert jobs[queued["id"]]["status"] == "cancelled" and jobs[queued["id"]]["error"].startswith("interrupted: ")
+    assert proxy.client.get("/running").json() == {"models": []}
+
+
+def test_reaping_spares_a_process_whose_record_does_not_match(tmp_path):
+    registry = ChildRegistry(sqlite3.connect(tmp_path / "proxy.db"))
+    ours = subprocess.Popen(["sleep", "60"])
+    reused = subprocess.Popen(["sleep", "61"])
+    try:
+        registry.add(ours.pid, "m", 1)
+        registry.add(reused.pid, "m", 2)
+        registry.db.execute("UPDATE children SET start_ticks = start_ticks - 1 WHERE pid = ?", (reused.pid,))
+        stopped = asyncio.run(reap_leftovers(registry, grace=2))
+        assert [r.pid for r in stopped] == [ours.pid] and ours.wait(5) is not None
+        assert reused.poll() is None and start_ticks(reused.pid) is not None
+        assert registry.records() == []
+    finally:
+        for p in (ours, reused):
+            p.kill()
+            p.wait()

@@ -1,0 +1,142 @@
+"""Through one proxy to one 2-slot tiny-model server: jobs, streaming, slots, disconnects, clients."""
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import threading
+import time
+
+import httpx
+import pytest
+
+from tests.proxy.conftest import alive, sse_events, tiny_profile, wait_until
+
+CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "Say something."}], "temperature": 0,
+        "max_tokens": 12, "stream": True}
+
+
+@pytest.fixture(scope="module")
+def proxy(make_proxy, tiny_model):
+    p = make_proxy({"tiny": tiny_profile(tiny_model), "spare": tiny_profile(tiny_model),
+                    "never": tiny_profile(tiny_model)})
+    p.load_job = p.job("load", "tiny")
+    return p
+
+
+def chat_stream(url: str, body: dict, headers: dict | None = None) -> list:
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body, headers=headers, timeout=60) as r:
+        assert r.status_code == 200, r.read()
+        assert r.headers["x-accel-buffering"] == "no"
+        return sse_events(r.iter_lines())
+
+
+def text_of(events: list) -> str:
+    return "".join(e["choices"][0]["delta"].get("content") or "" for e in events if isinstance(e, dict))
+
+
+def test_load_job_succeeds_and_reports_its_duration(proxy):
+    job = proxy.load_job
+    assert job["status"] == "succeeded" and job["type"] == "load" and job["error"] is None
+    assert job["duration_s"] > 0 and "loaded 1 replica" in job["message"]
+    [replica] = proxy.replicas("tiny")
+    assert replica["state"] == "ready" and replica["slots_total"] == 2 and alive(replica["pid"])
+    models = {m["id"]: m["status"]["value"] for m in proxy.client.get("/v1/models").json()["data"]}
+    assert models == {"tiny": "ready", "spare": "unloaded", "never": "unloaded"}
+
+
+def test_streaming_chat_through_the_proxy_equals_the_servers_own_answer(proxy):
+    direct = chat_stream(f"http://127.0.0.1:{proxy.replicas('tiny')[0]['port']}", CHAT)
+    relayed = chat_stream(proxy.url, CHAT)
+    assert text_of(relayed) == text_of(direct) and relayed[-1] == "[DONE]"
+    assert [e["choices"][0]["finish_reason"] for e in relayed[:-1]] == \
+           [e["choices"][0]["finish_reason"] for e in direct[:-1]]
+    assert "timings" in relayed[-2]
+    metrics = proxy.client.get("/metrics").text
+    assert 'tandem_proxy_predicted_tokens_total{model="tiny"}' in metrics
+
+
+def test_unknown_and_unloaded_models_are_refused_in_openai_shape(proxy):
+    r = proxy.client.post("/v1/chat/completions", json={**CHAT, "model": "nope"})
+    assert r.status_code == 404 and "never, spare, tiny" in r.json()["error"]["message"]
+    r = proxy.client.post("/v1/chat/completions", json={**CHAT, "model": "never"})
+    error = r.json()["error"]
+    assert r.status_code == 503 and "'never'" in error["message"] and "POST /jobs" in error["message"]
+
+
+def test_six_concurrent_requests_never_exceed_two_in_flight_at_the_server(proxy):
+    port = proxy.replicas("tiny")[0]["port"]
+    seen, stop = [], threading.Event()
+
+    def watch_slots():
+        with httpx.Client(timeout=5) as c:
+            while not stop.is_set():
+                seen.append(sum(s["is_processing"] for s in c.get(f"http://127.0.0.1:{port}/slots").json()))
+                time.sleep(0.02)
+
+    def one(i: int) -> int:
+        body = {"model": "tiny", "prompt": f"request {i}", "max_tokens": 24, "ignore_eos": True}
+        return httpx.post(proxy.url + "/v1/completions", json=body, timeout=120).status_code
+
+    watcher = threading.Thread(target=watch_slots)
+    watcher.start()
+    try:
+        with concurrent.futures.ThreadPoolExecutor(6) as pool:
+            codes = list(pool.map(one, range(6)))
+    finally:
+        stop.set()
+        watcher.join()
+    assert codes == [200] * 6
+    assert max(seen) == 2, seen  # both slots were used, never more
+
+
+def test_client_disconnect_frees_the_upstream_slot(proxy):
+    port = proxy.replicas("tiny")[0]["port"]
+
+    def processing() -> int:
+        return sum(s["is_processing"] for s in httpx.get(f"http://127.0.0.1:{port}/slots").json())
+
+    body = {"model": "tiny", "prompt": "go on", "max_tokens": 900, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", proxy.url + "/v1/completions", json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        wait_until(lambda: next(lines).startswith("data: "), 30, "the first event")
+        assert processing() == 1
+    # the client has gone: the proxy closes its upstream request and the server frees the slot
+    wait_until(lambda: processing() == 0, 15, "the slot to free")
+    wait_until(lambda: proxy.replicas("tiny")[0]["slots_busy"] == 0, 5, "the proxy's slot count")
+
+
+def test_openai_package_streams_through_the_proxy(proxy):
+    import openai
+    client = openai.OpenAI(base_url=proxy.url + "/v1", api_key="unused", max_retries=0)
+    stream = client.chat.completions.create(model="tiny", messages=CHAT["messages"], temperature=0,
+                                            max_tokens=8, stream=True)
+    chunks = list(stream)
+    assert chunks[-1].choices[0].finish_reason in ("length", "stop")
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == text_of(chat_stream(
+        proxy.url, {**CHAT, "max_tokens": 8}))
+
+
+def test_logs_stream_carries_the_servers_lines(proxy):
+    with httpx.stream("GET", proxy.url + "/logs/stream", params={"model": "tiny"}, timeout=10) as r:
+        first = json.loads(next(line for line in r.iter_lines() if line.startswith("data: "))[6:])
+    assert first["model"] == "tiny"
+
+
+def test_unload_during_a_long_stream_lets_it_finish_then_the_server_is_gone(proxy):
+    proxy.job("load", "spare")
+    [replica] = proxy.replicas("spare")
+    body = {"model": "spare", "prompt": "long", "max_tokens": 40, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", proxy.url + "/v1/completions", json=body, timeout=120) as r:
+        lines = r.iter_lines()
+        events = [json.loads(wait_until(lambda: next(lines), 30, "the first event")[6:])]
+        unload = proxy.client.post("/jobs", json={"type": "unload", "model": "spare"}).json()
+        [draining] = proxy.replicas("spare")
+        assert draining["state"] == "draining" and draining["slots_busy"] == 1
+        refused = proxy.client.post("/v1/completions", json={**body, "stream": False})
+        assert refused.status_code == 503 and "being unloaded" in refused.text
+        events += sse_events(lines)
+        stream_ended = time.time()
+    assert events[-1] == "[DONE]" and events[-2]["usage"]["completion_tokens"] == 40
+    done = proxy.wait_job(unload["id"], 30)
+    assert done["status"] == "succeeded" and done["finished_at"] >= stream_ended - 0.5
+    assert not alive(replica["pid"]) and proxy.replicas("spare") == []
