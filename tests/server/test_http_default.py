@@ -5,8 +5,10 @@ Token lists are compared with the exact-token rule of DESIGN.md; the reference's
 comes from its own top_logprobs (a logprob gap equals the logit gap)."""
 from __future__ import annotations
 
+import time
 from concurrent.futures import ThreadPoolExecutor
 
+import httpx
 import pytest
 
 from tests.exact_tokens import NEAR_TIE, first_difference
@@ -19,9 +21,29 @@ QUESTIONS = ["What is the capital of France?", "Name three colours.", "Why is th
 
 @pytest.fixture(scope="module")
 def server(start_server):
-    s = start_server(["-m", "default", "-np", "2", "-c", "4096", "-ub", "128", "--alias", "smollm2"])
-    yield s
+    s = start_server(["-m", "default", "-np", "2", "-c", "4096", "-ub", "128", "--alias", "smollm2"], wait=False)
+    s.first_health = first_health_answer(s)
+    yield s.wait_ready()
     s.kill()
+
+
+def first_health_answer(server, timeout: float = 60.0) -> httpx.Response | None:
+    """The first answer /health gives (the default model takes seconds to load after the HTTP
+    server is up, so this is normally the 'Loading model' 503)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and server.proc.poll() is None:
+        try:
+            return httpx.get(f"{server.url}/health", timeout=5)
+        except httpx.TransportError:
+            time.sleep(0.05)
+    return None
+
+
+def test_health_answers_503_while_loading_then_ok(server):
+    first = server.first_health
+    assert first is not None and first.status_code == 503
+    assert first.json() == {"error": {"code": 503, "message": "Loading model", "type": "unavailable_error"}}
+    assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
 
 
 def chat(question: str, system: str | None = None) -> dict:

@@ -1,0 +1,61 @@
+"""The step planner the server relies on: FIFO admission into N slots, decode rows batched with
+ubatch-sized prompt chunks, prefix reuse, cancellation freeing the slot."""
+from __future__ import annotations
+
+from engine.request import Request
+from engine.sampling import SamplingParams
+from engine.scheduler import Scheduler
+
+
+def request(prompt: list[int], **kwargs) -> Request:
+    return Request(f"r{prompt[0]}-{len(prompt)}", prompt, SamplingParams(max_tokens=8), lambda out: None, **kwargs)
+
+
+def decode(s: Scheduler, req: Request, token: int) -> None:
+    """Pretend the engine sampled `token` for req after a step."""
+    req.output_ids.append(token)
+
+
+def test_long_prompt_prefills_in_chunks_beside_other_slots_decode():
+    s = Scheduler(num_slots=2, ctx_per_slot=1024, batch_size=2048, ubatch_size=64)
+    short, long = request([1, 2, 3]), request(list(range(10, 310)))
+    s.add(short)
+    (row,) = s.plan(0.0).rows
+    s.commit(short, row.row.tokens)
+    decode(s, short, 7)
+    s.add(long)
+    for step in range(4):
+        rows = s.plan(1.0).rows
+        assert [len(r.row.tokens) for r in rows] == [1, 64]  # one decode token, one prompt chunk
+        assert rows[0].request is short and rows[0].samples and not rows[1].samples
+        for r in rows:
+            s.commit(r.request, r.row.tokens)
+        decode(s, short, 7)
+    rows = s.plan(2.0).rows
+    assert [len(r.row.tokens) for r in rows] == [1, 300 - 4 * 64] and rows[1].samples
+
+
+def test_requests_beyond_the_slots_wait_in_fifo_order_and_a_release_frees_the_slot():
+    s = Scheduler(num_slots=1, ctx_per_slot=256, batch_size=512, ubatch_size=64)
+    a, b, c = request([1, 1]), request([2, 2]), request([3, 3])
+    for r in (a, b, c):
+        s.add(r)
+    s.plan(0.0)
+    assert s.running == [a] and list(s.waiting) == [b, c]
+    s.release(a)  # a cancel or a finish
+    s.plan(0.0)
+    assert s.running == [b] and list(s.waiting) == [c]
+
+
+def test_prefix_reuse_picks_the_slot_holding_the_prompt_start_unless_disabled():
+    s = Scheduler(num_slots=2, ctx_per_slot=256, batch_size=512, ubatch_size=64)
+    s.slots[1].cached_ids = [5, 6, 7, 8, 9]
+    reuse = request([5, 6, 7, 1])
+    s.add(reuse)
+    s.plan(0.0)
+    assert reuse.slot == 1 and reuse.cache_n == 3
+    s.release(reuse)
+    fresh = request([5, 6, 7, 2], cache_prompt=False)
+    s.add(fresh)
+    s.plan(0.0)
+    assert fresh.cache_n == 0 and fresh.slot == 0
