@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import re
 import sqlite3
 from dataclasses import dataclass
 
@@ -104,32 +105,17 @@ async def start_proxy(config: ProxyConfig, overrides: dict | None = None):
 
 
 def create_app(config: ProxyConfig, overrides: dict | None = None) -> FastAPI:
-    holder: list[Proxy] = []
-
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         async with start_proxy(config, overrides) as proxy:
-            holder.append(proxy)
             app.state.proxy = proxy
             yield
 
     app = FastAPI(title="tandem proxy", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(ApiKey, key=config.settings.api_key)
-
-    class Deferred:
-        """A relay route bound to the Proxy once the lifespan has made it."""
-
-        def __init__(self, make):
-            self.make, self.app = make, None
-
-        async def __call__(self, scope, receive, send):
-            if self.app is None:
-                self.app = self.make(holder[0])
-            await self.app(scope, receive, send)
-
-    for path in ("/v1/chat/completions", "/v1/completions"):
-        app.router.routes.append(Route(path, Deferred(lambda p, path=path: Completions(p, path)), methods=["POST"]))
-    app.router.routes.append(Route("/upstream/{model}/{path:path}", Deferred(Upstream),
+    for path in ("/v1/chat/completions", "/v1/completions"):  # raw ASGI: see proxy.forward
+        app.router.routes.append(Route(path, Completions(path), methods=["POST"]))
+    app.router.routes.append(Route("/upstream/{model}/{path:path}", Upstream(),
                                    methods=["GET", "POST", "PUT", "DELETE"]))
 
     def proxy_of(request: Request) -> Proxy:
@@ -180,6 +166,16 @@ def create_app(config: ProxyConfig, overrides: dict | None = None) -> FastAPI:
     @app.delete("/jobs/{job_id}")
     async def cancel_job(job_id: str, request: Request):
         return await proxy_of(request).scheduler.cancel(job_id)
+
+    @app.get("/jobs/{job_id}/log")
+    async def job_log(job_id: str, request: Request):
+        """The output of the servers a load job started (they keep writing to it while they run)."""
+        p = proxy_of(request)
+        path = p.config.state_dir / "logs" / f"{job_id}.log"
+        if not re.fullmatch(r"[0-9a-f]{32}", job_id) or not path.is_file():
+            raise APIError(404, f"job {job_id!r} has no log (only load jobs that started a server have one)",
+                           "not_found_error")
+        return PlainTextResponse(path.read_text(errors="replace"))
 
     @app.get("/running")
     async def running(request: Request):

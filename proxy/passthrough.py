@@ -26,13 +26,13 @@ def model_of(body: bytes) -> tuple[str | None, str | None]:
 
 
 class Completions:
-    """Raw ASGI endpoint; `proxy` is the running Proxy (see proxy.app)."""
+    """Raw ASGI endpoint for one completions path; the running Proxy is the app's `state.proxy`."""
 
-    def __init__(self, proxy, path: str):
-        self.proxy, self.path = proxy, path
+    def __init__(self, path: str):
+        self.path = path
 
     async def __call__(self, scope, receive, send) -> None:
-        p = self.proxy
+        p = scope["app"].state.proxy
         body = await read_body(receive, BODY_LIMIT)
         if body is None:
             await send_error(send, 413, f"request body larger than {BODY_LIMIT} bytes")
@@ -70,11 +70,8 @@ class Upstream:
     """/upstream/{model}/{path}?replica=N: a replica's own endpoint. No slot is taken, so a
     monitoring call never waits behind generation."""
 
-    def __init__(self, proxy):
-        self.proxy = proxy
-
     async def __call__(self, scope, receive, send) -> None:
-        p = self.proxy
+        p = scope["app"].state.proxy
         model, path = scope["path_params"]["model"], "/" + scope["path_params"]["path"]
         body = await read_body(receive, BODY_LIMIT)
         if body is None:

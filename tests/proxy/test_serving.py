@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import socket
 import threading
 import time
 
@@ -103,6 +104,25 @@ def test_client_disconnect_frees_the_upstream_slot(proxy):
     # the client has gone: the proxy closes its upstream request and the server frees the slot
     wait_until(lambda: processing() == 0, 15, "the slot to free")
     wait_until(lambda: proxy.replicas("tiny")[0]["slots_busy"] == 0, 5, "the proxy's slot count")
+
+
+def test_a_queued_request_leaves_the_queue_when_its_client_disconnects(proxy):
+    body = {"model": "tiny", "prompt": "busy", "max_tokens": 900, "ignore_eos": True, "stream": True}
+
+    def depth() -> int:
+        return next(m for m in proxy.client.get("/running").json()["models"] if m["model"] == "tiny")["queue_depth"]
+
+    with httpx.stream("POST", proxy.url + "/v1/completions", json=body, timeout=60), \
+            httpx.stream("POST", proxy.url + "/v1/completions", json=body, timeout=60):
+        wait_until(lambda: proxy.replicas("tiny")[0]["slots_busy"] == 2, 10, "both slots busy")
+        data = json.dumps(body).encode()
+        with socket.create_connection(("127.0.0.1", proxy.port)) as waiting:
+            waiting.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                            b"content-length: %d\r\n\r\n%s" % (len(data), data))
+            wait_until(lambda: depth() == 1, 5, "the third request to queue")
+        wait_until(lambda: depth() == 0, 5, "the queue to empty once its client left")
+        assert proxy.replicas("tiny")[0]["slots_busy"] == 2
+    wait_until(lambda: proxy.replicas("tiny")[0]["slots_busy"] == 0, 15, "the slots to free")
 
 
 def test_openai_package_streams_through_the_proxy(proxy):
