@@ -157,9 +157,9 @@ def wait_idle(client: httpx.Client, timeout: float = 10.0) -> list[dict]:
 def test_disconnect_mid_stream_frees_the_slot(server, client):
     body = {**CHAT, "max_tokens": 4000, "ignore_eos": True, "stream": True}
     with server.client() as c, c.stream("POST", "/v1/chat/completions", json=body) as r:
-        for i, _ in enumerate(sse_events(r)):
-            if i == 3:
-                break
+        events = sse_events(r)  # held: dropping the generator would close the response early
+        for _ in range(4):
+            next(events)
         assert any(s["is_processing"] for s in client.get("/slots").json())
     wait_idle(client)
     r = client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 2})
