@@ -15,13 +15,15 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.batch import ForwardBatch
+from engine.drafter import SpecConfig, Span, check_draft_files, load_drafter
 from engine.errors import ConfigError
 from engine.kv_cache import KV_DTYPES, KVCache, PagedKVCache
 from engine.model import Transformer
 from engine.quant import DTYPES
 from engine.request import Request, Status, StepOutput
-from engine.sampling import SamplingParams, choose, make_generator
+from engine.sampling import SamplingParams, adjust_logits, choose, distribution, make_generator
 from engine.scheduler import Scheduler
+from engine.speculative import Verdict, accept_greedy, accept_sampled
 from engine.tokenizer import Tokenizer
 from engine.weights import ModelFiles, open_model
 
@@ -41,6 +43,7 @@ class EngineConfig:
     kv_unified: bool = False
     threads: int | None = None
     chat_template: str | None = None
+    spec: SpecConfig | None = None
 
     def __post_init__(self) -> None:
         rules = [
@@ -85,6 +88,18 @@ class EngineStats:
     """Counters since start, written on the engine thread and read anywhere."""
     steps: int = 0  # forward passes
     busy_slots: int = 0  # sum over steps of the slots in the step
+    # Per draft position i (0-based): how often a draft reached it, and how often it was accepted.
+    drafted_at: list[int] = field(default_factory=list)
+    accepted_at: list[int] = field(default_factory=list)
+
+    def count_drafts(self, drafted: int, accepted: int) -> None:
+        grow = drafted - len(self.drafted_at)
+        if grow > 0:
+            self.drafted_at.extend([0] * grow)
+            self.accepted_at.extend([0] * grow)
+        for i in range(drafted):
+            self.drafted_at[i] += 1
+            self.accepted_at[i] += i < accepted
 
 
 @dataclass
@@ -100,6 +115,7 @@ class Engine:
     _wake: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
     _stopping: bool = False
+    drafter: object | None = None  # a drafter from engine.drafter, when speculation is on
     stats: EngineStats = field(default_factory=EngineStats)
 
     @classmethod
@@ -112,9 +128,16 @@ class Engine:
             log.warning("ctx per slot %d exceeds the model's trained context %d",
                         config.ctx_per_slot, mc.max_position_embeddings)
         tokenizer = Tokenizer.load(files, config.chat_template)
+        if config.spec is not None:
+            check_draft_files(config.spec, mc)
         t0 = time.perf_counter()
-        model = Transformer(mc, files.load_tensors(), config.dtype,
+        tensors = files.load_tensors()
+        model = Transformer(mc, tensors, config.dtype,
                             max_positions=max(config.ctx_per_slot, mc.max_position_embeddings))
+        drafter = None
+        if config.spec is not None:
+            drafter = load_drafter(config.spec, model, tensors, config.dtype, config.parallel, config.ctx_per_slot)
+        del tensors
         log.info("loaded %s (%s, %s) in %.1f s", files.path, mc.family, config.dtype, time.perf_counter() - t0)
         kv_dtypes = KV_DTYPES[config.cache_type], KV_DTYPES[config.cache_type_v or config.cache_type]
         if config.kv_unified:
@@ -130,8 +153,10 @@ class Engine:
         eos = set(mc.eos_token_ids)
         if tokenizer.eos_token_id is not None:
             eos.add(tokenizer.eos_token_id)
-        scheduler = Scheduler(config.parallel, config.ctx_per_slot, config.batch_size, config.ubatch_size, cache)
-        return cls(config, files, model, tokenizer, cache, scheduler, frozenset(eos))
+        margin = 1 if drafter is not None and drafter.needs_hidden else 0
+        scheduler = Scheduler(config.parallel, config.ctx_per_slot, config.batch_size, config.ubatch_size, cache,
+                              reuse_margin=margin)
+        return cls(config, files, model, tokenizer, cache, scheduler, frozenset(eos), drafter=drafter)
 
     # -- any thread ---------------------------------------------------------------------------
 
@@ -228,8 +253,8 @@ class Engine:
                 req.on_output(StepOutput(req, [], True))
 
     def step(self) -> None:
-        """One forward over every active slot, then one sampled token per slot whose row ends a prompt
-        or decodes."""
+        """One forward over every active slot: prompt chunks, and for each decoding slot its last
+        token plus any drafts to verify. Then the tokens each slot gains, then the next drafts."""
         plan = self.scheduler.plan(time.perf_counter())
         for req in plan.preempted:
             self._finish(req, "length")
@@ -241,32 +266,75 @@ class Engine:
         self.stats.busy_slots += len(planned)
         batch = ForwardBatch.build([p.row for p in planned])
         hidden = self.model(batch, self.cache)
-        ends = batch.last_token_indices()
-        sampled = [i for i, p in enumerate(planned) if p.samples]
-        logits = self.model.logits(hidden[ends[sampled]]) if sampled else None
-        for p in planned:
-            self.scheduler.commit(p.request, p.row.tokens)
+        # Logits for every position of a decode row (each verifies a draft) and the last of a prompt.
+        starts = batch.last_token_indices() + 1 - torch.tensor([len(p.row.tokens) for p in planned])
+        index, first = [], []
+        for p, start in zip(planned, starts.tolist()):
+            first.append(len(index))
+            if p.samples:
+                n = len(p.row.tokens) if not p.request.prefilling else 1
+                index.extend(range(start + len(p.row.tokens) - n, start + len(p.row.tokens)))
+        logits = self.model.logits(hidden[torch.tensor(index)]) if index else None
         now = time.perf_counter()
-        for j, i in enumerate(sampled):
-            req = planned[i].request
-            token = choose(logits[j], req.params, req.all_ids, req.generator)
-            self._emit(req, token, logits[j], now)
+        spans = []
+        for p, start, at in zip(planned, starts.tolist(), first):
+            req = p.request
+            if not p.samples:
+                self.scheduler.commit(req, p.row.tokens)
+            elif req.prefilling:
+                self.scheduler.commit(req, p.row.tokens)
+                self._emit(req, [choose(logits[at], req.params, req.all_ids, req.generator)], logits[at:at + 1], now)
+            else:
+                verdict = self._verify(req, logits[at:at + len(p.row.tokens)])
+                self.scheduler.commit(req, p.row.tokens[:verdict.accepted + 1])
+                self._emit(req, verdict.tokens, logits[at:at + verdict.accepted + 1], now)
+            if self.drafter is not None and req.status is Status.RUNNING:
+                committed = req.num_computed - p.row.start
+                spans.append(Span(req, p.row.start, req.num_computed, hidden[start:start + committed]))
+        if self.drafter is not None:
+            room = {s.request.slot: self.config.ctx_per_slot - s.request.num_computed - 1 for s in spans}
+            self.drafter.draft(spans, room)
 
-    def _emit(self, req: Request, token: int, logits: torch.Tensor, now: float) -> None:
+    def _verify(self, req: Request, logits: torch.Tensor) -> Verdict:
+        """Which of req.drafts the target keeps (logits: [1 + drafts, vocab], one per verified
+        position), and the token it adds after them."""
+        drafts, q, params = req.drafts, req.draft_q, req.params
+        req.drafts, req.draft_q = [], None
+        history = req.all_ids
+        if params.greedy:
+            argmax = [int(adjust_logits(row, params, history + drafts[:i]).argmax()) if params.has_penalties
+                      or params.logit_bias else int(row.argmax()) for i, row in enumerate(logits)]
+            verdict = accept_greedy(drafts, argmax)
+        else:
+            p = torch.stack([distribution(adjust_logits(row, params, history + drafts[:i]), params)
+                             for i, row in enumerate(logits)])
+            verdict = accept_sampled(drafts, p, q if drafts else p[:0], req.generator)
+        if drafts:
+            req.draft_n += len(drafts)
+            req.draft_n_accepted += verdict.accepted
+            self.stats.count_drafts(len(drafts), verdict.accepted)
+        return verdict
+
+    def _emit(self, req: Request, tokens: list[int], logits: torch.Tensor, now: float) -> None:
+        """Append the step's tokens to the request up to a stop, then deliver them."""
         if not req.t_first_token:
             req.t_first_token = now
-        params = req.params
-        stop = token in params.stop_token_ids or (token in self.eos_ids and not params.ignore_eos)
-        new = [] if stop else [token]
+        params, new, reason = req.params, [], None
+        for token in tokens:
+            if token in params.stop_token_ids or (token in self.eos_ids and not params.ignore_eos):
+                reason = "stop"
+                break
+            new.append(token)
+            if len(req.output_ids) + len(new) >= params.max_tokens:
+                reason = "length"
+                break
+        # The newest token is written at num_computed next step; the slot must have room for it.
+        if reason is None and req.num_computed + 1 >= self.config.ctx_per_slot:
+            reason = "length"
         req.output_ids.extend(new)
         logprobs = None
         if params.logprobs is not None:
-            logprobs = [_logprob_entry(logits, token, params.logprobs)]
-        reason = None
-        if stop:
-            reason = "stop"
-        elif len(req.output_ids) >= params.max_tokens or req.num_computed + 1 >= self.config.ctx_per_slot:
-            reason = "length"
+            logprobs = [_logprob_entry(row, t, params.logprobs) for row, t in zip(logits, new)]
         if reason:
             self._finish(req, reason)
         req.on_output(StepOutput(req, new, reason is not None, logprobs))

@@ -73,6 +73,8 @@ class Request:
     finish_reason: str | None = None
     draft_n: int = 0
     draft_n_accepted: int = 0
+    drafts: list[int] = field(default_factory=list)  # proposed for the next step's verification
+    draft_q: torch.Tensor | None = None  # [len(drafts), vocab] their distributions, when sampling
     generator: torch.Generator | None = None
     t_submitted: float = field(default_factory=time.perf_counter)
     t_started: float = 0.0

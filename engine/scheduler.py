@@ -46,7 +46,7 @@ class StepPlan:
 
 class Scheduler:
     def __init__(self, num_slots: int, ctx_per_slot: int, batch_size: int, ubatch_size: int,
-                 kv: KVCache | PagedKVCache | None = None):
+                 kv: KVCache | PagedKVCache | None = None, reuse_margin: int = 0):
         self.slots = [Slot(i, []) for i in range(num_slots)]
         self.waiting: deque[Request] = deque()
         self.ctx_per_slot = ctx_per_slot
@@ -54,6 +54,9 @@ class Scheduler:
         self.ubatch_size = ubatch_size
         # Room for positions: slots own theirs, or share one pool (then `ensure` can fail).
         self.kv = kv if kv is not None else KVCache(0, num_slots, ctx_per_slot, 0, 0)
+        # Positions of a reused prefix to recompute anyway: an MTP draft's cache entry at position
+        # i pairs h_i with token i+1, so the last reused entry is stale unless h_i is recomputed.
+        self.reuse_margin = reuse_margin
 
     @property
     def running(self) -> list[Request]:
@@ -87,7 +90,7 @@ class Scheduler:
             self.waiting.popleft()
             reuse = common_prefix(slot.cached_ids, request.prompt_ids) if request.cache_prompt else 0
             # At least the last prompt token runs through the model: its logits give the first token.
-            reuse = min(reuse, len(request.prompt_ids) - 1)
+            reuse = max(0, min(reuse, len(request.prompt_ids) - 1) - self.reuse_margin)
             slot.cached_ids = slot.cached_ids[:reuse]
             self.kv.truncate(slot.id, reuse)
             slot.request = request
@@ -102,9 +105,11 @@ class Scheduler:
         for req in self.running:
             if req in plan.preempted:
                 continue
-            if not req.prefilling and self._reserve(plan, req, req.num_computed + 1):
-                plan.rows.append(PlannedRow(req, Row(req.slot, req.num_computed, [req.all_ids[-1]]), True))
-                budget -= 1
+            if not req.prefilling and self._reserve(plan, req, req.num_computed + 1 + len(req.drafts)):
+                # The last sampled token, then the drafts to verify after it.
+                tokens = [req.all_ids[-1]] + req.drafts
+                plan.rows.append(PlannedRow(req, Row(req.slot, req.num_computed, tokens), True))
+                budget -= len(tokens)
         for req in self.running:
             if req.prefilling and budget > 0 and req not in plan.preempted:
                 n = min(self.ubatch_size, budget, len(req.prompt_ids) - req.num_computed)

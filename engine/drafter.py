@@ -1,0 +1,234 @@
+"""Drafters: what proposes tokens for the target to verify, behind one interface.
+
+After every engine step the engine hands each drafter the span of positions the target just
+committed for each running request (with the target's hidden states there). A drafter with a KV
+cache of its own writes the same positions, so its cache always matches the target's, and
+rollback is free: positions past the accepted ones are simply overwritten next step. For a request
+that is decoding, the drafter then sets `request.drafts` (and `request.draft_q`, the distributions
+they were drawn from, when the request samples).
+"""
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+from engine import mtp
+from engine.batch import ForwardBatch, Row
+from engine.config import ModelConfig
+from engine.errors import ConfigError
+from engine.kv_cache import KVCache
+from engine.model import Transformer
+from engine.ngram import ngram_draft
+from engine.request import Request
+from engine.sampling import distribution
+from engine.weights import open_model
+
+SPEC_TYPES = {"draft-mtp": "draft-mtp", "mtp": "draft-mtp", "ngram-simple": "ngram-simple",
+              "ngram": "ngram-simple", "draft-simple": "draft-simple", "draft": "draft-simple"}
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """Speculative decoding settings, llama-server's names."""
+    type: str  # canonical: draft-mtp, ngram-simple or draft-simple
+    draft_model: str | None = None
+    n_max: int = 3
+    n_min: int = 0
+    p_min: float = 0.5
+    ngram_n: int = 3
+
+    def __post_init__(self) -> None:
+        rules = [
+            (self.type in SPEC_TYPES.values(), "spec_type", f"must be one of {', '.join(SPEC_TYPES)}"),
+            (self.n_max >= 1, "spec_draft_n_max", "must be >= 1"),
+            (0 <= self.n_min <= self.n_max, "spec_draft_n_min", f"must be in 0..spec_draft_n_max={self.n_max}"),
+            (0 <= self.p_min <= 1 and not math.isnan(self.p_min), "spec_draft_p_min", "must be in [0, 1]"),
+            (self.ngram_n >= 1, "spec_ngram_size_n", "must be >= 1"),
+            (self.type == "ngram-simple" or self.draft_model, "spec_draft_model",
+             f"is required with spec_type={self.type}"),
+        ]
+        for ok, name, rule in rules:
+            if not ok:
+                value = {"spec_type": self.type, "spec_draft_model": self.draft_model}.get(
+                    name, getattr(self, name.replace("spec_draft_", "").replace("spec_ngram_size_n", "ngram_n"), None))
+                raise ConfigError(f"{name}={value!r}: {rule}")
+
+
+@dataclass
+class Span:
+    """Positions start .. end-1 of the request's slot were committed this step; hidden [end-start, H]
+    are the target's hidden states there (after its final norm)."""
+    request: Request
+    start: int
+    end: int
+    hidden: torch.Tensor
+
+
+def _choose_draft(logits: torch.Tensor, req: Request, vocab_ids: torch.Tensor | None, vocab: int):
+    """A draft token from one row of drafter logits (over `vocab_ids` when given), its top-1
+    probability, and, when the request samples, the full-vocabulary distribution it came from."""
+    top = float(torch.softmax(logits, -1).max())
+    if req.params.greedy:
+        i = int(logits.argmax())
+        return (int(vocab_ids[i]) if vocab_ids is not None else i), top, None
+    full = logits
+    if vocab_ids is not None:
+        full = torch.full((vocab,), -math.inf).index_copy_(0, vocab_ids, logits)
+    q = distribution(full, req.params)
+    return int(torch.multinomial(q, 1, generator=req.generator)), top, q
+
+
+def _finish_drafts(req: Request, tokens: list[int], qs: list, n_min: int) -> None:
+    if len(tokens) < n_min:
+        tokens, qs = [], []
+    req.drafts = tokens
+    req.draft_q = torch.stack(qs) if qs and qs[0] is not None else None
+
+
+class NgramDrafter:
+    needs_hidden = False
+
+    def __init__(self, spec: SpecConfig, vocab: int):
+        self.spec, self.vocab = spec, vocab
+
+    def draft(self, spans: list[Span], room: dict[int, int]) -> None:
+        for span in spans:
+            req = span.request
+            if req.prefilling:
+                continue
+            tokens = ngram_draft(req.all_ids, self.spec.ngram_n, min(self.spec.n_max, room[req.slot]))
+            # A deterministic draft is a one-hot q: the acceptance rule then keeps it with p(x).
+            qs = [torch.nn.functional.one_hot(torch.tensor(t), self.vocab).float() for t in tokens] \
+                if not req.params.greedy else [None] * len(tokens)
+            _finish_drafts(req, tokens, qs, self.spec.n_min)
+
+
+class CachedDrafter(ABC):
+    """Shared loop of the drafters that run a model with their own KV cache: catch up on the
+    committed span, then draft one token per forward, batched across requests."""
+    needs_hidden: bool
+    vocab_ids: torch.Tensor | None = None  # full-vocabulary id of each logit, when over a subset
+
+    def __init__(self, spec: SpecConfig, cache, vocab: int):
+        self.spec, self.cache, self.vocab = spec, cache, vocab
+
+    @abstractmethod
+    def catch_up_rows(self, span: Span) -> tuple[Row, torch.Tensor | None]:
+        """The drafter's rows for a committed span, and the hidden states they take (or None)."""
+
+    @abstractmethod
+    def run(self, depth: int, rows: list[Row], hidden: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """Forward of `rows`; returns (per-token state for the next depth, logits [N, V'])."""
+
+    @torch.inference_mode()
+    def draft(self, spans: list[Span], room: dict[int, int]) -> None:
+        if not spans:
+            return
+        rows, hiddens = zip(*(self.catch_up_rows(s) for s in spans))
+        hidden = torch.cat(hiddens) if hiddens[0] is not None else None
+        state, logits = self.run(1, list(rows), hidden)
+        ends = ForwardBatch.build(list(rows)).last_token_indices()
+        active = []  # (request, tokens, qs, limit, position of the next draft row)
+        for span, row, end in zip(spans, rows, ends.tolist()):
+            req = span.request
+            if req.prefilling:
+                continue
+            limit = min(self.spec.n_max, room[req.slot])
+            active.append([req, [], [], limit, row.start + len(row.tokens), end])
+        depth = 1
+        while True:
+            still = []
+            for item in active:
+                req, tokens, qs, limit, _, at = item
+                if len(tokens) >= limit:
+                    continue
+                token, top, q = _choose_draft(logits[at], req, self.vocab_ids, self.vocab)
+                if top < self.spec.p_min:
+                    continue
+                tokens.append(token)
+                qs.append(q)
+                if len(tokens) < limit:
+                    still.append(item)
+            if not still:
+                break
+            depth += 1
+            rows = [Row(item[0].slot, item[4] + depth - 2, [item[1][-1]]) for item in still]
+            prev = state[torch.tensor([item[5] for item in still])] if state is not None else None
+            state, logits = self.run(depth, rows, prev)
+            for j, item in enumerate(still):
+                item[5] = j
+        for req, tokens, qs, *_ in active:
+            _finish_drafts(req, tokens, qs, self.spec.n_min)
+
+
+class MTPDrafter(CachedDrafter):
+    """The detached MTP draft: position i of its cache holds (target hidden h_i, token x_{i+1})."""
+    needs_hidden = True
+
+    def __init__(self, spec: SpecConfig, draft, target, cache, vocab: int):
+        super().__init__(spec, cache, vocab)
+        self.model, self.target = draft, target
+        self.vocab_ids = draft.vocab_ids
+
+    def catch_up_rows(self, span: Span):
+        ids = span.request.all_ids
+        return Row(span.request.slot, span.start, ids[span.start + 1:span.end + 1]), span.hidden
+
+    def run(self, depth, rows, hidden):
+        batch = ForwardBatch.build(rows)
+        embeddings = self.target.embed_tokens(batch.token_ids)
+        return self.model(depth, hidden.to(embeddings.dtype), embeddings, batch, self.cache)
+
+
+class DraftModelDrafter(CachedDrafter):
+    """A smaller model with the same vocabulary, run autoregressively on its own cache."""
+    needs_hidden = False
+
+    def __init__(self, spec: SpecConfig, model, cache, vocab: int):
+        super().__init__(spec, cache, vocab)
+        self.model = model
+
+    def catch_up_rows(self, span: Span):
+        # Positions start .. end-1 as the target wrote them, plus the token just sampled at `end`.
+        ids = span.request.all_ids
+        return Row(span.request.slot, span.start, ids[span.start:span.end + 1]), None
+
+    def run(self, depth, rows, hidden):
+        batch = ForwardBatch.build(rows)
+        out = self.model(batch, self.cache)
+        return None, self.model.logits(out)
+
+
+def check_draft_files(spec: SpecConfig, target: ModelConfig) -> None:
+    """Header-level checks of the draft, before any weights are read."""
+    if spec.type == "draft-mtp":
+        header = mtp.read_header(spec.draft_model)
+        if header.hidden_size != target.hidden_size:
+            mtp.check_compatible(header, spec.draft_model, target, "")
+    elif spec.type == "draft-simple":
+        files = open_model(spec.draft_model)
+        if files.config.vocab_size != target.vocab_size:
+            raise ConfigError(f"spec_draft_model={spec.draft_model!r}: vocabulary of {files.config.vocab_size} "
+                              f"tokens differs from the target's {target.vocab_size}")
+
+
+def load_drafter(spec: SpecConfig, target_model, target_tensors: dict, dtype: str, slots: int, ctx_per_slot: int):
+    """The drafter for `spec`, with its own cache where it keeps one."""
+    config = target_model.config
+    if spec.type == "ngram-simple":
+        return NgramDrafter(spec, config.vocab_size)
+    if spec.type == "draft-mtp":
+        header = mtp.read_header(spec.draft_model)
+        fingerprint = mtp.target_fingerprint(config, target_tensors["model.embed_tokens.weight"])
+        mtp.check_compatible(header, spec.draft_model, config, fingerprint)
+        draft = mtp.MTPDraft(config, mtp.load_tensors(spec.draft_model), header.num_layers, dtype, ctx_per_slot)
+        cache = KVCache(header.num_layers, slots, ctx_per_slot, config.num_kv_heads, config.head_dim)
+        return MTPDrafter(spec, draft, target_model, cache, config.vocab_size)
+    files = open_model(spec.draft_model)
+    c = files.config
+    model = Transformer(c, files.load_tensors(), dtype, max_positions=max(ctx_per_slot, c.max_position_embeddings))
+    cache = KVCache(c.num_layers, slots, ctx_per_slot, c.num_kv_heads, c.head_dim)
+    return DraftModelDrafter(spec, model, cache, config.vocab_size)
