@@ -166,7 +166,7 @@ def test_disconnect_mid_stream_frees_the_slot(server, client):
     assert r.status_code == 200
 
 
-def test_metrics_count_requests_and_answer_while_generating(server, client):
+def test_metrics_count_processing_and_deferred_and_answer_while_generating(server, client):
     body = {**CHAT, "max_tokens": 3000, "ignore_eos": True, "stream": True}
     done = threading.Event()
 
@@ -176,23 +176,24 @@ def test_metrics_count_requests_and_answer_while_generating(server, client):
                 if done.is_set():
                     break
 
-    t = threading.Thread(target=stream)
-    t.start()
+    threads = [threading.Thread(target=stream) for _ in range(3)]  # three streams, two slots
+    for t in threads:
+        t.start()
     try:
-        deadline = time.monotonic() + 10
-        while not any(s["is_processing"] for s in client.get("/slots").json()):
-            assert time.monotonic() < deadline
+        deadline = time.monotonic() + 20
+        while "tandem:requests_deferred 1\n" not in (text := client.get("/metrics").text):
+            assert time.monotonic() < deadline, text
         t0 = time.monotonic()
-        text = client.get("/metrics").text
-        assert client.get("/health").status_code == 200
+        assert client.get("/health").status_code == 200 and client.get("/slots").status_code == 200
         assert time.monotonic() - t0 < 2.0  # the event loop does not wait on forward passes
     finally:
         done.set()
-        t.join(timeout=30)
+        for t in threads:
+            t.join(timeout=30)
     for name in ("prompt_tokens_total", "prompt_seconds_total", "tokens_predicted_total",
                  "tokens_predicted_seconds_total", "requests_processing", "requests_deferred",
                  "draft_tokens_total", "draft_tokens_accepted_total", "n_decode_total",
                  "time_to_first_token_seconds_bucket", "inter_token_latency_seconds_count"):
         assert f"tandem:{name}" in text, name
-    assert "tandem:requests_processing 1" in text
+    assert "tandem:requests_processing 2\n" in text
     wait_idle(client)
