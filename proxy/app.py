@@ -86,9 +86,9 @@ async def start_proxy(config: ProxyConfig, overrides: dict | None = None):
     handler = BusHandler(bus, asyncio.get_running_loop())
     handler.setFormatter(logging.Formatter("%(levelname)s %(message)s"))
     logging.getLogger("tandem.proxy").addHandler(handler)
-    scheduler = Scheduler(config, effects=None, store=store)
-    supervisor = Supervisor(scheduler.post, children, bus, state_dir / "logs", config.settings.log_tail_lines)
-    scheduler.effects = supervisor
+    supervisor = Supervisor(lambda event: scheduler.post(event), children, bus, state_dir / "logs",
+                            config.settings.log_tail_lines)
+    scheduler = Scheduler(config, supervisor, store)
     http = httpx.AsyncClient(timeout=UPSTREAM_TIMEOUT, limits=httpx.Limits(max_connections=None,
                                                                              max_keepalive_connections=256))
     proxy = Proxy(config, overrides or {}, db, store, scheduler, supervisor, bus, ProxyMetrics(), http)

@@ -13,6 +13,7 @@ import time
 
 from proxy import events as ev
 from proxy.config import ProxyConfig
+from proxy.job_runner import JobRunner
 from proxy.jobs import Job, JobStatus, JobStore, JobType, Trigger
 from proxy.model_state import ModelState, ModelStatus
 from proxy.router import Lease, Pool, Replica, ReplicaState, Waiter
@@ -25,10 +26,14 @@ class Scheduler:
     def __init__(self, config: ProxyConfig, effects: ev.Effects, store: JobStore, clock=time.time):
         self.config, self.effects, self.store, self.clock = config, effects, store, clock
         self.models: dict[str, ModelState] = {}
-        self.jobs: dict[str, Job] = {}  # unfinished jobs
-        self.notes: dict[str, str] = {}  # why the proxy itself submitted a job; kept in its final message
+        self.runner = JobRunner(self.models, config, effects, store, clock)
         self.events: asyncio.Queue = asyncio.Queue()
         self._add_profiles(config)
+
+    @property
+    def jobs(self) -> dict[str, Job]:
+        """Unfinished jobs by id."""
+        return self.runner.jobs
 
     # -- called by request handlers, on the event loop ------------------------------------------
 
@@ -82,7 +87,7 @@ class Scheduler:
         if m is None or m.removed:
             _answer(e.reply, error=self.unknown_model(e.model))
             return
-        _answer(e.reply, self._submit(m, e.type, e.trigger).model_copy(deep=True))
+        _answer(e.reply, self.runner.submit(m, e.type, e.trigger).model_copy(deep=True))
 
     def _on_CancelJob(self, e: ev.CancelJob) -> None:
         job = self.jobs.get(e.job_id) or self.store.get(e.job_id)
@@ -92,10 +97,8 @@ class Scheduler:
             _answer(e.reply, error=APIError(409, f"job {job.id} is {job.status.value}; only a queued job can be "
                                                  "cancelled", "invalid_request_error"))
         else:
-            self.models[job.model].queue.remove(job)
-            self._settle(job, JobStatus.cancelled, "cancelled before it started")
+            self.runner.cancel(job)
             _answer(e.reply, job.model_copy(deep=True))
-            self._advance_all()  # a load waiting for this unload submits another
 
     def _on_Acquire(self, e: ev.Acquire) -> None:
         w = e.waiter
@@ -112,7 +115,7 @@ class Scheduler:
         elif m.status is ModelStatus.unloading:
             w.future.set_exception(APIError(503, f"model {m.name!r} is being unloaded"))
         elif m.profile.autoload:
-            self._submit(m, JobType.load, Trigger.autoload)
+            self.runner.submit(m, JobType.load, Trigger.autoload)
             m.pool.admit(w)
         else:
             w.future.set_exception(self._not_loaded(m))
@@ -125,7 +128,7 @@ class Scheduler:
         if e.failure:
             self._replica_failed(m, e.lease.replica, e.failure)
         m.pool.dispatch()
-        self._maybe_stop(m)
+        self.runner.maybe_stop(m)
         self._arm_idle(m)
 
     def _on_LoadDone(self, e: ev.LoadDone) -> None:
@@ -135,7 +138,7 @@ class Scheduler:
         if e.error:
             m.status = ModelStatus.ready if m.pool.ready else ModelStatus.unloaded
             m.last_error = e.error
-            self._finish(m, JobStatus.failed, "load failed", error=e.error, log_tail=e.log_tail)
+            self.runner.finish(m, JobStatus.failed, "load failed", error=e.error, log_tail=e.log_tail)
             if m.status is ModelStatus.unloaded and not m.pending(JobType.load):
                 m.pool.fail_waiters(APIError(503, f"model {m.name!r} failed to load (job {job.id}): {e.error}"))
             return
@@ -147,8 +150,8 @@ class Scheduler:
             m.restarts = 0
         m.pool.dispatch()  # before the next job starts: requests that waited for this load get served
         ports = ", ".join(str(s.port) for s in e.replicas)
-        self._finish(m, JobStatus.succeeded, f"loaded {len(e.replicas)} replica(s) in "
-                     f"{self.clock() - job.started_at:.1f} s (port {ports})", log_tail=e.log_tail)
+        self.runner.finish(m, JobStatus.succeeded, f"loaded {len(e.replicas)} replica(s) in "
+                           f"{self.clock() - job.started_at:.1f} s (port {ports})", log_tail=e.log_tail)
         self._arm_idle(m)
 
     def _on_StopDone(self, e: ev.StopDone) -> None:
@@ -162,7 +165,7 @@ class Scheduler:
         if m.drain_cancelled:
             message += (f"; {m.drain_cancelled} request(s) still running after the "
                         f"{m.profile.drain_timeout:g} s drain timeout were cancelled")
-        self._finish(m, JobStatus.succeeded, message)
+        self.runner.finish(m, JobStatus.succeeded, message)
         if m.removed and m.current is None and not m.queue:
             del self.models[m.name]
 
@@ -182,16 +185,16 @@ class Scheduler:
         m.drain_cancelled = len(leases)
         self.effects.cancel_leases(leases, f"model {m.name!r} was unloaded; the request did not finish within "
                                            f"the {m.profile.drain_timeout:g} s drain timeout")
-        self._stop(m)
+        self.runner.stop(m)
 
     def _on_IdleCheck(self, e: ev.IdleCheck) -> None:
         m = self.models.get(e.model)
         if m is not None and m.idle_stamp == e.stamp and m.idle:
             log.info("model %s idle for %g s: unloading", m.name, m.profile.ttl, extra={"model": m.name})
-            self._submit(m, JobType.unload, Trigger.idle_ttl)
+            self.runner.submit(m, JobType.unload, Trigger.idle_ttl)
 
     def _on_Reload(self, e: ev.Reload) -> None:
-        self.config = e.config
+        self.config = self.runner.config = e.config
         self._add_profiles(e.config)
         for m in list(self.models.values()):
             if m.name not in e.config.profiles and not m.removed:
@@ -199,106 +202,7 @@ class Scheduler:
                 if m.status is ModelStatus.unloaded and m.current is None and not m.queue:
                     del self.models[m.name]
                 else:
-                    self._submit(m, JobType.unload, Trigger.api)
-
-    # -- jobs ---------------------------------------------------------------------------------------
-
-    def _submit(self, m: ModelState, type_: JobType, trigger: Trigger, message: str = "") -> Job:
-        job = Job.new(type_, m.name, trigger, self.clock())
-        job.message = message
-        if message:
-            self.notes[job.id] = message
-        self.jobs[job.id] = job
-        self.store.save(job)
-        m.queue.append(job)
-        log.info("job %s: %s %s queued (%s)", job.id, type_.value, m.name, trigger.value, extra={"model": m.name})
-        self._advance(m)
-        return job
-
-    def _advance(self, m: ModelState) -> None:
-        """Starts the model's next job if none runs; re-checks a load waiting for its group."""
-        if m.current is None and m.queue:
-            m.current = m.queue.popleft()
-            m.current.start(self.clock())
-            self.store.save(m.current)
-            self._begin_load(m) if m.current.type is JobType.load else self._begin_unload(m)
-        elif m.current is not None and m.waiting_for_group:
-            self._begin_load(m)
-
-    def _advance_all(self) -> None:
-        for m in list(self.models.values()):
-            self._advance(m)
-
-    def _begin_load(self, m: ModelState) -> None:
-        if m.fully_loaded:
-            self._finish(m, JobStatus.succeeded, f"model {m.name!r} is already loaded; nothing to do")
-            return
-        blockers = self._group_blockers(m)
-        if blockers:
-            m.waiting_for_group = True
-            group = m.profile.group
-            for other in blockers:
-                if not other.pending(JobType.unload):
-                    self._submit(other, JobType.unload, Trigger.exclusive,
-                                 f"making way for {m.name!r} (exclusive group {group!r})")
-            message = f"waiting for {', '.join(o.name for o in blockers)} to unload (exclusive group {group!r})"
-            if m.current.message != message:
-                m.current.message = message
-                self.store.save(m.current)
-            return
-        m.waiting_for_group = False
-        if m.status is not ModelStatus.ready:
-            m.status = ModelStatus.loading
-        self.effects.start_load(m.current, m.profile, m.missing_replicas())
-
-    def _group_blockers(self, m: ModelState) -> list[ModelState]:
-        """Other members of m's exclusive group that hold (or are getting) servers. A member whose own
-        load is still waiting for the group does not count, so two waiting loads cannot deadlock."""
-        group = m.profile.group
-        if group is None or not self.config.settings.groups[group].exclusive:
-            return []
-        return [o for o in self.models.values() if o is not m and o.profile.group == group
-                and (o.status is not ModelStatus.unloaded or o.pool.replicas
-                     or (o.current is not None and not o.waiting_for_group))]
-
-    def _begin_unload(self, m: ModelState) -> None:
-        if m.status in (ModelStatus.unloaded, ModelStatus.failed) and not m.pool.ready:
-            m.status = ModelStatus.unloaded
-            self._finish(m, JobStatus.succeeded, f"model {m.name!r} is not loaded; nothing to do")
-            return
-        m.status, m.stopping, m.drain_cancelled = ModelStatus.unloading, False, 0
-        for r in m.pool.replicas:
-            if r.state is ReplicaState.ready:
-                r.state = ReplicaState.draining
-        if not m.pending(JobType.load):
-            m.pool.fail_waiters(APIError(503, f"model {m.name!r} is being unloaded"))
-        self.effects.call_later(m.profile.drain_timeout, ev.DrainTimeout(m.current.id))
-        self._maybe_stop(m)
-
-    def _maybe_stop(self, m: ModelState) -> None:
-        if m.status is ModelStatus.unloading and not m.stopping and m.pool.in_flight == 0:
-            self._stop(m)
-
-    def _stop(self, m: ModelState) -> None:
-        m.stopping = True
-        draining = [r for r in m.pool.replicas if r.state is ReplicaState.draining]
-        self.effects.stop_replicas(m.name, m.current.id, draining, m.profile.stop_grace)
-
-    def _finish(self, m: ModelState, status: JobStatus, message: str, error: str | None = None,
-                log_tail: list[str] | None = None) -> None:
-        job, m.current, m.waiting_for_group = m.current, None, False
-        self._settle(job, status, message, error, log_tail)
-        self._advance_all()
-
-    def _settle(self, job: Job, status: JobStatus, message: str, error: str | None = None,
-                log_tail: list[str] | None = None) -> None:
-        note = self.notes.pop(job.id, None)
-        job.finish(status, self.clock(), f"{message} ({note})" if note else message, error, log_tail)
-        self.store.save(job)
-        self.jobs.pop(job.id, None)
-        level = logging.WARNING if status is JobStatus.failed else logging.INFO
-        log.log(level, "job %s: %s %s %s: %s", job.id, job.type.value, job.model, status.value, error or message,
-                extra={"model": job.model})
+                    self.runner.submit(m, JobType.unload, Trigger.api)
 
     # -- replicas -------------------------------------------------------------------------------------
 
@@ -316,8 +220,8 @@ class Scheduler:
         if m.profile.restart == "on-failure" and not m.pending(JobType.load) and not m.pending(JobType.unload):
             if m.restarts < m.profile.restart_limit:
                 m.restarts += 1
-                self._submit(m, JobType.load, Trigger.restart,
-                             f"restart {m.restarts}/{m.profile.restart_limit} after: {reason}")
+                self.runner.submit(m, JobType.load, Trigger.restart,
+                                   f"restart {m.restarts}/{m.profile.restart_limit} after: {reason}")
                 return
             log.warning("model %s: restart limit (%d) reached", m.name, m.profile.restart_limit)
         if m.status is ModelStatus.failed and not m.pending(JobType.load):
@@ -349,16 +253,10 @@ class Scheduler:
 
     def interrupt(self, reason: str) -> list[Replica]:
         """At shutdown: settles unfinished jobs and returns every replica still to stop."""
-        replicas = []
+        self.runner.interrupt(reason)
         for m in self.models.values():
-            if m.current is not None:
-                self._settle(m.current, JobStatus.failed, "interrupted", error=f"interrupted: {reason}")
-                m.current = None
-            while m.queue:
-                self._settle(m.queue.popleft(), JobStatus.cancelled, "interrupted", error=f"interrupted: {reason}")
             m.pool.fail_waiters(APIError(503, f"the proxy is shutting down ({reason})"))
-            replicas += m.pool.replicas
-        return replicas
+        return [r for m in self.models.values() for r in m.pool.replicas]
 
 
 def _answer(reply: asyncio.Future | None, result: object = None, error: Exception | None = None) -> None:

@@ -10,13 +10,14 @@ import signal
 import sqlite3
 import subprocess
 import sys
+from pathlib import Path
 
-import pytest
 
 from proxy.children import ChildRegistry, reap_leftovers, start_ticks
 from tests.proxy.conftest import alive, pids_with, tiny_profile, wait_until
 
-STUBBORN = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(120)"
+STUBBORN = ("import pathlib, signal, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+            "pathlib.Path(sys.argv[0] + '.ready').touch(); time.sleep(120)")
 
 
 def test_proxy_killed_with_sigkill_leaves_no_server_once_restarted(make_proxy, tiny_model, tmp_path):
@@ -29,7 +30,8 @@ def test_proxy_killed_with_sigkill_leaves_no_server_once_restarted(make_proxy, t
     [server] = proxy.replicas("tiny")
     hanging = proxy.client.post("/jobs", json={"type": "load", "model": "stubborn"}).json()
     queued = proxy.client.post("/jobs", json={"type": "unload", "model": "stubborn"}).json()
-    stubborn = wait_until(lambda: pids_with(str(script)), 10, "the stubborn server")
+    wait_until(lambda: Path(f"{script}.ready").exists(), 20, "the stubborn server to ignore SIGTERM")
+    stubborn = pids_with(str(script))
 
     proxy.proc.kill()
     proxy.proc.wait(10)
