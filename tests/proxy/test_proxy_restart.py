@@ -12,7 +12,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-
 from proxy.children import ChildRegistry, reap_leftovers, start_ticks
 from tests.proxy.conftest import alive, pids_with, tiny_profile, wait_until
 
