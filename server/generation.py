@@ -3,7 +3,6 @@ text pieces (stop strings applied) and a final record with finish_reason, usage 
 Formatting into chat or text-completion shapes is left to openai_api."""
 from __future__ import annotations
 
-import asyncio
 import time
 from dataclasses import dataclass
 from typing import AsyncIterator
@@ -70,8 +69,7 @@ def prepare(state: ServerState, body: SamplingFields, prompt_ids: list[int], n_l
     return Job(prompt_ids, params, body.stop_strings, body.cache_prompt, body.id_slot)
 
 
-async def run(state: ServerState, job: Job, disconnected: asyncio.Future | None = None
-              ) -> AsyncIterator[Piece | Final]:
+async def run(state: ServerState, job: Job) -> AsyncIterator[Piece | Final]:
     """Yields Pieces as tokens arrive, then one Final. Cancels the engine request when the
     consumer stops early (client gone) or a stop string matches."""
     stream = state.runner.submit(job.prompt_ids, job.params, cache_prompt=job.cache_prompt, slot_id=job.slot_id)
@@ -100,7 +98,9 @@ async def run(state: ServerState, job: Job, disconnected: asyncio.Future | None 
             if text or out.token_ids:
                 yield Piece(text, out.token_ids, out.logprobs)
             if out.finished:
-                yield _final(state, stream.request, stream.request.finish_reason, n_tokens, None)
+                # Text held back until the end may itself complete a stop string.
+                reason = "stop" if matcher.stopped else stream.request.finish_reason
+                yield _final(state, stream.request, reason, n_tokens, None)
                 return
     finally:
         stream.cancel()  # no-op when the engine finished it
