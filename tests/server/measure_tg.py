@@ -1,7 +1,7 @@
 """Manual measurement (not a test): TG of the engine alone vs through the HTTP server at batch 1,
 and the aggregate TG of 4 parallel streams vs 1, in alternating runs; prints medians.
 
-    python -m tests.server.measure_tg [--runs 5] [--tokens 64] [--threads 2]
+    python -m tests.server.measure_tg [--runs 5] [--tokens 64] [--threads 2] [--dtype f32]
 
 Workload: prompt "Once upon a time" (as /v1/completions text), greedy, ignore_eos, fixed length.
 """
@@ -60,15 +60,17 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--dtype", default="f32")
     a = ap.parse_args()
     import torch
     from engine.engine import Engine, EngineConfig
     torch.set_num_threads(a.threads)
-    print(f"default model f32, prompt {PROMPT!r}, {a.tokens} tokens, greedy, threads={a.threads}, runs={a.runs}")
-    engine = Engine.load(EngineConfig(model="default", ctx_size=2048, parallel=1, threads=a.threads))
+    print(f"default model {a.dtype}, prompt {PROMPT!r}, {a.tokens} tokens, greedy, threads={a.threads}, runs={a.runs}")
+    engine = Engine.load(EngineConfig(model="default", ctx_size=2048, parallel=1, threads=a.threads, dtype=a.dtype))
     logs = Path(tempfile.mkdtemp())
-    one = ServerProcess(["-m", "default", "-np", "1", "-c", "2048", "-t", str(a.threads)], logs / "np1.log")
-    four = ServerProcess(["-m", "default", "-np", "4", "-c", "8192", "-t", str(a.threads)], logs / "np4.log")
+    flags = ["-m", "default", "-t", str(a.threads), "--dtype", a.dtype]
+    one = ServerProcess([*flags, "-np", "1", "-c", "2048"], logs / "np1.log")
+    four = ServerProcess([*flags, "-np", "4", "-c", "8192"], logs / "np4.log")
     try:
         one.wait_ready(), four.wait_ready()
         for url in (one.url, four.url):  # warm-up
