@@ -98,6 +98,7 @@ async def start_proxy(config: ProxyConfig, overrides: dict | None = None):
     finally:
         run.cancel()
         scheduler.interrupt("the proxy shut down")
+        log.info("shutting down: stopping %d server(s)", len(supervisor.processes))
         await supervisor.shutdown()
         await http.aclose()
         logging.getLogger("tandem.proxy").removeHandler(handler)

@@ -251,12 +251,12 @@ class Scheduler:
     def running(self) -> list[dict]:
         return [m.snapshot() for m in self.models.values() if m.status is not ModelStatus.unloaded or m.pool.replicas]
 
-    def interrupt(self, reason: str) -> list[Replica]:
-        """At shutdown: settles unfinished jobs and returns every replica still to stop."""
+    def interrupt(self, reason: str) -> None:
+        """At shutdown: settles unfinished jobs and answers waiting requests (the supervisor then
+        stops every server)."""
         self.runner.interrupt(reason)
         for m in self.models.values():
             m.pool.fail_waiters(APIError(503, f"the proxy is shutting down ({reason})"))
-        return [r for m in self.models.values() for r in m.pool.replicas]
 
 
 def _answer(reply: asyncio.Future | None, result: object = None, error: Exception | None = None) -> None:

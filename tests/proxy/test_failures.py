@@ -1,7 +1,6 @@
 """When servers fail: a server that cannot start, one killed mid-stream, and exclusive swaps."""
 from __future__ import annotations
 
-import json
 import os
 import signal
 
@@ -17,7 +16,7 @@ def proxy(make_proxy, tiny_model, tmp_path_factory):
     return make_proxy({
         "broken": tiny_profile(missing),
         "crashy": tiny_profile(tiny_model, restart="on-failure", restart_limit=2),
-        "x": tiny_profile(tiny_model, parallel=1, group="pair"),
+        "x": tiny_profile(tiny_model, parallel=1, group="pair", drain_timeout=1),
         "y": tiny_profile(tiny_model, parallel=1, group="pair"),
     }, groups={"pair": {"exclusive": True}})
 
@@ -53,15 +52,22 @@ def test_upstream_killed_mid_stream_ends_the_stream_with_an_error_and_restarts(p
 
 
 def test_exclusive_group_swaps_models_with_recorded_jobs(proxy):
+    """Loading y unloads x first; x's stream outlasts x's 1 s drain timeout and is cut off with a reason."""
     assert proxy.job("load", "x")["status"] == "succeeded"
     [x] = proxy.replicas("x")
-    load_y = proxy.job("load", "y")
+    body = {"model": "x", "prompt": "x", "max_tokens": 900, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", proxy.url + "/v1/completions", json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        wait_until(lambda: next(lines).startswith("data: "), 30, "the first event")
+        load_y = proxy.client.post("/jobs", json={"type": "load", "model": "y"}).json()
+        events = sse_events(lines)
+    assert "drain timeout" in events[-1]["error"]["message"], events[-1]
+    load_y = proxy.wait_job(load_y["id"])
     assert load_y["status"] == "succeeded"
     unload_x = proxy.client.get("/jobs", params={"model": "x", "limit": 1}).json()[0]
     assert (unload_x["type"], unload_x["trigger"], unload_x["status"]) == ("unload", "exclusive", "succeeded")
-    assert "making way for 'y'" in unload_x["message"]
+    assert "making way for 'y'" in unload_x["message"] and "1 request(s)" in unload_x["message"]
     assert unload_x["finished_at"] <= load_y["finished_at"]
     assert not alive(x["pid"]) and proxy.replicas("x") == [] and len(proxy.replicas("y")) == 1
     statuses = {m["model"]: m["status"] for m in proxy.client.get("/running").json()["models"]}
     assert statuses.get("y") == "ready" and "x" not in statuses
-    print(json.dumps(load_y))
