@@ -1,0 +1,71 @@
+"""Speculative decoding is lossless: greedy output with a drafter equals greedy output without one,
+and after a rejected draft the cache holds exactly the accepted tokens."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.batch import ForwardBatch, Row
+from engine.drafter import SpecConfig
+from engine.engine import Engine, EngineConfig
+from engine.sampling import SamplingParams
+from tests.engine.test_generation import chat_ids, run_alone
+from tests.exact_tokens import assert_same_greedy
+
+PROMPTS = [
+    "Write a poem about tides",
+    "Describe the city of Paris for a tourist.",
+    "Summarise this: the tide comes in, the tide goes out, and the shore keeps every shell the tide leaves.",
+    "List five uses of a paperclip.",
+    "Explain photosynthesis in two sentences, for a ten-year-old who loves plants and gardens.",
+]
+GREEDY = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def ngram_engine():
+    spec = SpecConfig(type="ngram-simple", n_max=3, p_min=0.0, ngram_n=2)
+    return Engine.load(EngineConfig(model="default", ctx_size=2 * 1024, parallel=2, spec=spec))
+
+
+@pytest.fixture(scope="module")
+def reference_logits(hf_default_model):
+    @torch.no_grad()
+    def logits(ids):
+        return hf_default_model(torch.tensor([ids])).logits[0, -1]
+    return logits
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_ngram_greedy_equals_plain_greedy(default_engine, ngram_engine, reference_logits, prompt):
+    ids = chat_ids(default_engine, prompt)
+    plain = run_alone(default_engine, ids, GREEDY)
+    steps = list(ngram_engine.generate(ids, GREEDY, cache_prompt=False))
+    speculative = [t for s in steps for t in s.token_ids]
+    assert len(speculative) == len(plain) == 128
+    assert_same_greedy(speculative, plain, ids, reference_logits)
+    assert steps[-1].request.draft_n > 0, "the drafter never proposed anything: nothing was verified"
+
+
+def test_rejected_drafts_leave_exactly_the_accepted_tokens_in_the_cache(ngram_engine):
+    ids = chat_ids(ngram_engine, PROMPTS[2])
+    steps = list(ngram_engine.generate(ids, SamplingParams(temperature=0, max_tokens=48, ignore_eos=True),
+                                       cache_prompt=False))
+    req = steps[-1].request
+    assert req.draft_n > req.draft_n_accepted > 0, "the run must include both accepted and rejected drafts"
+    n = req.num_computed
+    text = req.all_ids[:n]
+    assert ngram_engine.scheduler.slots[req.slot].cached_ids == text
+    # A fresh prefill of the same text into the other slot: the caches and the next logits agree.
+    other = 1 - req.slot
+    model, cache = ngram_engine.model, ngram_engine.cache
+    model(ForwardBatch.build([Row(other, 0, text)]), cache)
+    for layer in range(model.config.num_layers):
+        keys_spec, values_spec = cache.read(layer, req.slot, n)
+        keys_fresh, values_fresh = cache.read(layer, other, n)
+        assert torch.allclose(keys_spec, keys_fresh, atol=1e-4)
+        assert torch.allclose(values_spec, values_fresh, atol=1e-4)
+    next_token = req.output_ids[-1]  # any token will do: both slots must continue alike
+    logits = [model.logits(model(ForwardBatch.build([Row(slot, n, [next_token])]), cache))[0]
+              for slot in (req.slot, other)]
+    assert torch.allclose(logits[0], logits[1], atol=1e-4)
