@@ -3,12 +3,66 @@
 Two layouts behind one interface (`write`, `read`, `ensure`, `truncate`), the one model.py uses:
 - `KVCache`: each slot owns ctx_per_slot positions (llama-server's default split of --ctx-size);
 - `PagedKVCache`: one pool of positions in pages that any slot may use (--kv-unified).
+Either stores floats, or q8_0 (`Q8Storage`: int8 with one scale per block of 32 values).
 """
 from __future__ import annotations
 
 import torch
 
-KV_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
+# q8_0 is named by torch.int8 here; the cache stores it as Q8Storage, which reads back as float32.
+KV_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16, "q8_0": torch.int8}
+Q8_BLOCK = 32
+
+
+class Q8Storage:
+    """q8_0 along the last axis (head_dim): int8 values and one f16 scale per block of 32 (one
+    block per vector when head_dim is not a multiple of 32). Indexed like the float tensor it
+    replaces: writes quantize, reads return float32 copies. `dtype` is what writers should pass
+    (float32), so model code that casts to the cache's dtype keeps working unchanged."""
+
+    dtype = torch.float32
+
+    def __init__(self, shape: tuple[int, ...]):
+        head_dim = shape[-1]
+        self.block = Q8_BLOCK if head_dim % Q8_BLOCK == 0 else head_dim
+        self.q = torch.zeros(shape, dtype=torch.int8)
+        self.scale = torch.zeros((*shape[:-1], head_dim // self.block), dtype=torch.float16)
+
+    @property
+    def nbytes(self) -> int:
+        return self.q.numel() + 2 * self.scale.numel()
+
+    def _quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        blocks = x.float().unflatten(-1, (-1, self.block))  # [..., n_blocks, block]
+        scale = (blocks.abs().amax(-1) / 127.0).half()
+        inv = torch.where(scale > 0, 1.0 / scale.float(), torch.zeros_like(scale, dtype=torch.float32))
+        q = torch.round(blocks * inv[..., None]).clamp(-127, 127).to(torch.int8)
+        return q.flatten(-2), scale
+
+    def _dequantize(self, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        return (q.unflatten(-1, (-1, self.block)).float() * scale.float()[..., None]).flatten(-2)
+
+    def __setitem__(self, index, value: torch.Tensor) -> None:
+        self.q[index], self.scale[index] = self._quantize(value)
+
+    def __getitem__(self, index) -> torch.Tensor:
+        return self._dequantize(self.q[index], self.scale[index])
+
+    def index_copy_(self, dim: int, rows: torch.Tensor, value: torch.Tensor) -> None:
+        q, scale = self._quantize(value)
+        self.q.index_copy_(dim, rows, q)
+        self.scale.index_copy_(dim, rows, scale)
+
+    def index_select(self, dim: int, rows: torch.Tensor) -> torch.Tensor:
+        return self._dequantize(self.q.index_select(dim, rows), self.scale.index_select(dim, rows))
+
+
+def _storage(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | Q8Storage:
+    return Q8Storage(shape) if dtype == torch.int8 else torch.zeros(shape, dtype=dtype)
+
+
+def _nbytes(stores) -> int:
+    return sum(s.nbytes if isinstance(s, Q8Storage) else s.numel() * s.element_size() for s in stores)
 
 
 class KVCache:
@@ -21,14 +75,14 @@ class KVCache:
     def __init__(self, num_layers: int, num_slots: int, ctx_per_slot: int, kv_heads: int, head_dim: int,
                  dtype: torch.dtype = torch.float32, v_dtype: torch.dtype | None = None):
         shape = (num_slots, kv_heads, ctx_per_slot, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=v_dtype or dtype) for _ in range(num_layers)]
+        self.k = [_storage(shape, dtype) for _ in range(num_layers)]
+        self.v = [_storage(shape, v_dtype or dtype) for _ in range(num_layers)]
         self.num_slots = num_slots
         self.ctx_per_slot = ctx_per_slot
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+        return _nbytes(self.k + self.v)
 
     @property
     def capacity(self) -> int:
@@ -102,8 +156,8 @@ class PagedKVCache:
                  dtype: torch.dtype = torch.float32, v_dtype: torch.dtype | None = None):
         num_pages = capacity // self.PAGE_SIZE
         shape = (kv_heads, num_pages * self.PAGE_SIZE, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=v_dtype or dtype) for _ in range(num_layers)]
+        self.k = [_storage(shape, dtype) for _ in range(num_layers)]
+        self.v = [_storage(shape, v_dtype or dtype) for _ in range(num_layers)]
         self.pool = PagePool(num_pages, self.PAGE_SIZE, num_slots)
         self.num_slots = num_slots
         self.ctx_per_slot = num_pages * self.PAGE_SIZE  # any one slot may fill the whole pool
@@ -112,7 +166,7 @@ class PagedKVCache:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+        return _nbytes(self.k + self.v)
 
     @property
     def capacity(self) -> int:

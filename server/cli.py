@@ -9,7 +9,6 @@ from engine.kv_cache import KV_DTYPES
 from engine.quant import DTYPES
 from server.state import DEFAULT_BODY_LIMIT, ServerSettings
 
-CACHE_TYPES = (*KV_DTYPES, "q8_0")
 SPEC_TYPES = {"draft-mtp": "draft-mtp", "mtp": "draft-mtp", "ngram-simple": "ngram-simple", "ngram": "ngram-simple",
               "draft-simple": "draft-simple", "draft": "draft-simple"}
 
@@ -25,8 +24,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("-t", "--threads", type=int, help="torch threads")
     p.add_argument("--dtype", choices=DTYPES, default="f32", help="weight format")
     p.add_argument("--kv-unified", action="store_true", help="one KV pool shared by all slots")
-    p.add_argument("-ctk", "--cache-type-k", choices=CACHE_TYPES, default="f32")
-    p.add_argument("-ctv", "--cache-type-v", choices=CACHE_TYPES, default="f32")
+    p.add_argument("-ctk", "--cache-type-k", choices=list(KV_DTYPES), default="f32")
+    p.add_argument("-ctv", "--cache-type-v", choices=list(KV_DTYPES), default="f32")
     p.add_argument("--chat-template", help="a Jinja chat template file replacing the model's")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8080)
@@ -47,9 +46,6 @@ def parser() -> argparse.ArgumentParser:
 def parse(argv: list[str] | None = None) -> tuple[EngineConfig, ServerSettings]:
     """Raises ConfigError (naming the flag) for a combination no single flag's parser can catch."""
     a = parser().parse_args(argv)
-    for flag, value in (("--cache-type-k", a.cache_type_k), ("--cache-type-v", a.cache_type_v)):
-        if value == "q8_0":
-            raise ConfigError(f"{flag}=q8_0: not supported yet (use f32, f16 or bf16)")
     if not 1 <= a.port <= 65535:
         raise ConfigError(f"--port={a.port}: must be in 1..65535")
     if a.body_limit < 1:
