@@ -2,7 +2,7 @@
 
 Prompts are random pseudo-words sent to /v1/completions as token ids, so the server processes
 exactly the ids we counted with its own /tokenize (a chat template would add a shared system
-prefix that the cache reuses). Each starts with a random prefix drawn from a per-session nonce:
+prefix that the cache reuses). Each starts with a random token drawn from a per-session nonce:
 the seed fixes the text, the nonce keeps a second session against the same server from meeting
 the first one's prompts in a slot's cache.
 """
@@ -46,17 +46,20 @@ WORKLOADS = {
 }
 
 WARMUP_GEN_TOKENS = 16  # enough steps for the first-call costs; the prompt keeps its full length
-PREFIX_WORDS = 4
-FIRST_TOKEN_ATTEMPTS = 64
 _CONSONANTS = "bcdfghjklmnprstvwz"
 _VOWELS = "aeiou"
 
 
 def pseudo_words(rng: random.Random, n: int) -> list[str]:
-    """Pronounceable nonsense words: tokenizers split them into ordinary word pieces, and no
-    model has seen them together, so neither the cache nor an n-gram drafter gets a free ride."""
-    return ["".join(rng.choice(_CONSONANTS) + rng.choice(_VOWELS) for _ in range(rng.randint(1, 3)))
-            for _ in range(n)]
+    """Pronounceable nonsense words, some capitalised or followed by punctuation: tokenizers split
+    them into ordinary word pieces, and no model has seen them together, so neither the cache nor
+    an n-gram drafter gets a free ride."""
+    words = []
+    for _ in range(n):
+        word = "".join(rng.choice(_CONSONANTS) + rng.choice(_VOWELS) for _ in range(rng.randint(1, 3)))
+        word = word.capitalize() if rng.random() < 0.1 else word
+        words.append(word + rng.choice(",.") if rng.random() < 0.1 else word)
+    return words
 
 
 @dataclass
@@ -71,33 +74,29 @@ Tokenize = Callable[[str], Awaitable[list[int]]]
 async def build_prompts(tokenize: Tokenize, workload: Workload, nonce: str) -> Prompts:
     """Every prompt of the session, each exactly workload.prompt_tokens ids as `tokenize` counts.
 
-    No two prompts of a session share their first token: the server reuses any common prefix,
-    even one token, so a shared first token would make a request less than fresh."""
-    used: set[int] = set()
-    indices = [(run, lane) for run in range(workload.runs) for lane in range(workload.lanes)]
-    built = [await _fresh_prompt(tokenize, workload, nonce, f"{run}:{lane}", used) for run, lane in indices]
-    warmup = await _fresh_prompt(tokenize, workload, nonce, "warmup", used)
-    rounds = [built[r * workload.lanes:(r + 1) * workload.lanes] for r in range(workload.runs)]
-    return Prompts(warmup, rounds)
+    The server reuses any common prefix, even one token, so what keeps a prompt fresh is its first
+    token: drawn with the nonce, distinct within the session, from every token the session's text
+    produced (hundreds with a real vocabulary), which makes meeting an earlier session's prompt in
+    a slot unlikely. The rest is the seed's text."""
+    keys = [f"{run}:{lane}" for run in range(workload.runs) for lane in range(workload.lanes)] + ["warmup"]
+    bodies = [await body_ids(tokenize, workload, key) for key in keys]
+    seen = sorted({t for body in bodies for t in body})
+    if len(seen) < len(keys):
+        raise FixtureError(f"{len(keys)} prompts need distinct first tokens; the text gave only {len(seen)} "
+                           "distinct tokens")
+    firsts = random.Random(nonce).sample(seen, len(keys))
+    prompts = [[first, *body] for first, body in zip(firsts, bodies)]
+    rounds = [prompts[r * workload.lanes:(r + 1) * workload.lanes] for r in range(workload.runs)]
+    return Prompts(prompts[-1], rounds)
 
 
-async def _fresh_prompt(tokenize: Tokenize, workload: Workload, nonce: str, key: str, used: set[int]) -> list[int]:
-    body = " ".join(pseudo_words(random.Random(f"{workload.seed}:{key}"), workload.prompt_tokens))
-    for attempt in range(FIRST_TOKEN_ATTEMPTS):
-        prefix = " ".join(pseudo_words(random.Random(f"{nonce}:{key}:{attempt}"), PREFIX_WORDS)).capitalize()
-        ids = await exact_ids(tokenize, f"{prefix} {body}", workload.prompt_tokens)
-        if ids[0] not in used:
-            used.add(ids[0])
-            return ids
-    raise FixtureError(f"cannot give {len(used) + 1} prompts distinct first tokens in {FIRST_TOKEN_ATTEMPTS} "
-                       "attempts: the tokenizer has too few word-start tokens for this many requests")
-
-
-async def exact_ids(tokenize: Tokenize, text: str, n: int) -> list[int]:
-    """The first n token ids of `text`; every pseudo-word is at least one token, so a text of n
-    words is long enough unless the tokenizer merges words."""
+async def body_ids(tokenize: Tokenize, workload: Workload, key: str) -> list[int]:
+    """The first prompt_tokens - 1 token ids of the seed's text for `key`. Every pseudo-word is at
+    least one token, so prompt_tokens words are enough unless the tokenizer merges words."""
+    n = workload.prompt_tokens - 1
+    text = " ".join(pseudo_words(random.Random(f"{workload.seed}:{key}"), workload.prompt_tokens))
     ids = await tokenize(text)
     if len(ids) < n:
-        raise FixtureError(f"/tokenize gave {len(ids)} tokens for {len(text.split())} words; "
-                           f"cannot build a {n}-token prompt")
+        raise FixtureError(f"/tokenize gave {len(ids)} tokens for {workload.prompt_tokens} words; "
+                           f"cannot build a {workload.prompt_tokens}-token prompt")
     return ids[:n]

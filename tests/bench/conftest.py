@@ -1,0 +1,42 @@
+"""Fixtures for benchmark tests: a fake upstream in-process and a real tiny-model server process.
+
+Both listen on a free loopback port, every wait is bounded, and both are stopped in finalizers."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.bench.fake_upstream import FakeUpstream, Mode, Running
+from tests.server.helpers import ROOT, ServerProcess
+
+TINY_SLOTS = 2
+
+
+@pytest.fixture(scope="module")
+def _fake_server():
+    fake = FakeUpstream()
+    running = Running(fake)
+    yield fake
+    running.stop()
+
+
+@pytest.fixture
+def fake(_fake_server) -> FakeUpstream:
+    """The module's fake upstream, reset to honest answers for each test."""
+    _fake_server.mode, _fake_server.completions = Mode(), 0
+    return _fake_server
+
+
+@pytest.fixture(scope="module")
+def tiny_server(tmp_path_factory):
+    """`python -m server` on a tiny random model with two slots, served as 'tiny'."""
+    from engine.tiny import write_tiny_model
+    config = json.loads((ROOT / "configs/tiny/llama.json").read_text())
+    model = write_tiny_model(config, tmp_path_factory.mktemp("tiny-llama"), seed=0)
+    server = ServerProcess(["-m", str(model), "-np", str(TINY_SLOTS), "-c", "2048", "--alias", "tiny"],
+                           tmp_path_factory.mktemp("server") / "server.log")
+    try:
+        yield server.wait_ready()
+    finally:
+        server.kill()
