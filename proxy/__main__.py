@@ -60,8 +60,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name}: model {p.model}, {len(p.replicas)} replica(s), ctx {p.ctx_size}, parallel {p.parallel}")
         return 0
     s = config.settings
+    # proxy_headers off: it is for deployments behind another proxy, and costs time on every request.
     server = ProxyServer(uvicorn.Config(create_app(config, overrides), host=s.host, port=s.port, log_level="warning",
-                                        timeout_graceful_shutdown=5, lifespan="on"))
+                                        timeout_graceful_shutdown=5, lifespan="on", proxy_headers=False))
     log.info("proxy on http://%s:%d, %d profile(s), state in %s", s.host, s.port, len(config.profiles),
              config.state_dir)
     server.run()

@@ -25,7 +25,7 @@ from proxy.forward import send_error
 from proxy.jobs import JobRequest, JobStatus, JobStore
 from proxy.logbus import BusHandler, LogBus
 from proxy.metrics import ProxyMetrics
-from proxy.passthrough import Completions, Upstream
+from proxy.passthrough import COMPLETION_PATHS, Completions, Upstream
 from proxy.scheduler import Scheduler
 from proxy.supervisor import Supervisor
 from server.protocol import APIError, error_body
@@ -56,19 +56,34 @@ class Proxy:
         return config
 
 
-class ApiKey:
-    """Pure ASGI (no task per request): 'Authorization: Bearer KEY' on everything but /health."""
+class Front:
+    """The outermost ASGI app. It checks the API key ('Authorization: Bearer KEY' on everything but
+    /health), sends completions straight to the relay and everything else to FastAPI. The relay is raw
+    ASGI and needs none of FastAPI's routing or middleware, which would also wrap every streamed chunk."""
 
-    def __init__(self, app, key: str | None):
-        self.app, self.expected = app, f"Bearer {key}".encode() if key else None
+    def __init__(self, api: FastAPI, key: str | None):
+        self.api, self.expected = api, f"Bearer {key}".encode() if key else None
+        self.relays = {("POST", path): Completions(path) for path in COMPLETION_PATHS}
+
+    @property
+    def state(self):
+        return self.api.state
 
     async def __call__(self, scope, receive, send) -> None:
-        if self.expected and scope["type"] == "http" and scope["path"] != "/health":
+        if scope["type"] != "http":
+            await self.api(scope, receive, send)  # lifespan
+            return
+        if self.expected and scope["path"] != "/health":
             given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
             if given != self.expected:
                 await send_error(send, 401, "invalid or missing API key (Authorization: Bearer KEY)")
                 return
-        await self.app(scope, receive, send)
+        relay = self.relays.get((scope["method"], scope["path"]))
+        if relay is None:
+            await self.api(scope, receive, send)
+            return
+        scope["app"] = self.api  # where the relay finds the Proxy
+        await relay(scope, receive, send)
 
 
 @contextlib.asynccontextmanager
@@ -105,7 +120,7 @@ async def start_proxy(config: ProxyConfig, overrides: dict | None = None):
         db.close()
 
 
-def create_app(config: ProxyConfig, overrides: dict | None = None) -> FastAPI:
+def create_app(config: ProxyConfig, overrides: dict | None = None) -> Front:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         async with start_proxy(config, overrides) as proxy:
@@ -113,10 +128,7 @@ def create_app(config: ProxyConfig, overrides: dict | None = None) -> FastAPI:
             yield
 
     app = FastAPI(title="tandem proxy", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-    app.add_middleware(ApiKey, key=config.settings.api_key)
-    for path in ("/v1/chat/completions", "/v1/completions"):  # raw ASGI: see proxy.forward
-        app.router.routes.append(Route(path, Completions(path), methods=["POST"]))
-    app.router.routes.append(Route("/upstream/{model}/{path:path}", Upstream(),
+    app.router.routes.append(Route("/upstream/{model}/{path:path}", Upstream(),  # raw ASGI: see proxy.forward
                                    methods=["GET", "POST", "PUT", "DELETE"]))
 
     def proxy_of(request: Request) -> Proxy:
@@ -223,4 +235,4 @@ def create_app(config: ProxyConfig, overrides: dict | None = None) -> FastAPI:
             raise APIError(400, str(e)) from e
         return {"profiles": sorted(config.profiles)}
 
-    return app
+    return Front(app, config.settings.api_key)

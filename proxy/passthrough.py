@@ -11,6 +11,7 @@ from proxy.router import ReplicaState
 from server.protocol import APIError
 
 BODY_LIMIT = 32 * 2**20
+COMPLETION_PATHS = ("/v1/chat/completions", "/v1/completions")
 
 
 def model_of(body: bytes) -> tuple[str | None, str | None]:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import signal
 import statistics
@@ -43,13 +44,20 @@ def one(url: str, prompt: str, tokens: int) -> dict:
             if not line.startswith("data: {"):
                 continue
             event = json.loads(line[6:])
-            if event["choices"] and event["choices"][0].get("text"):
-                stamps.append(time.perf_counter())
+            if event["choices"] and event["choices"][0].get("finish_reason") is None:
+                stamps.append(time.perf_counter())  # one event per token (text may be held back: partial UTF-8)
             timings = event.get("timings") or timings
     n = len(stamps)
     ttft_ms = (stamps[0] - t0) * 1000
     return {"ttft_ms": ttft_ms, "overhead_ms": ttft_ms - timings["prompt_ms"],
             "tg": (n - 1) / (stamps[-1] - stamps[0]), "chunks": n, "server_tg": timings["predicted_per_second"]}
+
+
+def cpu_of(pid: int) -> int:
+    """utime + stime of a process, in clock ticks."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])
 
 
 def main() -> int:
@@ -80,10 +88,14 @@ def main() -> int:
         for lane in lanes.values():  # warm-up: connections, caches, first-call compilation
             one(lane, prompt(), 8)
         rows = {name: [] for name in lanes}
+        cpu_ticks = 0
         for run in range(a.runs):
             order = ["direct", "proxy"] if run % 2 == 0 else ["proxy", "direct"]
             for name in order:
+                before = cpu_of(proxy.proc.pid)
                 rows[name].append(one(lanes[name], prompt(), a.tokens))
+                if name == "proxy":
+                    cpu_ticks += cpu_of(proxy.proc.pid) - before
                 r = rows[name][-1]
                 print(f"run {run:2d} {name:6s} ttft {r['ttft_ms']:8.2f} ms  overhead {r['overhead_ms']:6.2f} ms  "
                       f"TG {r['tg']:7.2f} tok/s", flush=True)
@@ -93,11 +105,16 @@ def main() -> int:
         for name, m in med.items():
             print(f"{name:7s} median ttft {m['ttft_ms']:8.2f} ms  overhead {m['overhead_ms']:6.2f} ms  "
                   f"TG(client) {m['tg']:7.2f} tok/s  TG(server) {m['server_tg']:7.2f} tok/s")
-        added = med["proxy"]["overhead_ms"] - med["direct"]["overhead_ms"]
-        print(f"proxy added TTFT (median overhead difference): {added:.2f} ms")
-        raw = med["proxy"]["ttft_ms"] - med["direct"]["ttft_ms"]
-        print(f"proxy added TTFT (median ttft difference):     {raw:.2f} ms")
-        print(f"TG through proxy / direct (client): {med['proxy']['tg'] / med['direct']['tg']:.4f}")
+        pairs = list(zip(rows["proxy"], rows["direct"]))
+        added = statistics.median(p["overhead_ms"] - d["overhead_ms"] for p, d in pairs)
+        raw = statistics.median(p["ttft_ms"] - d["ttft_ms"] for p, d in pairs)
+        ratio = statistics.median(p["tg"] / d["tg"] for p, d in pairs)
+        print(f"proxy added TTFT, median of paired differences: {added:.2f} ms (overhead), {raw:.2f} ms (raw ttft)")
+        print(f"TG through proxy / direct: median of paired ratios {ratio:.4f}, "
+              f"ratio of medians {med['proxy']['tg'] / med['direct']['tg']:.4f}")
+        tokens = sum(r["chunks"] for r in rows["proxy"])
+        ms = cpu_ticks * 1000 / os.sysconf("SC_CLK_TCK")
+        print(f"proxy CPU: {ms / a.runs:.2f} ms per request, {ms * 1000 / tokens:.0f} us per relayed token")
         return 0
     finally:
         proxy.kill_all()
