@@ -6,7 +6,7 @@ import asyncio
 import json
 from urllib.parse import parse_qsl, urlencode
 
-from proxy.forward import DisconnectWatch, read_body, relay, send_error
+from proxy.forward import ClientGone, DisconnectWatch, read_body, relay, send_error
 from proxy.router import ReplicaState
 from server.protocol import APIError
 
@@ -34,7 +34,10 @@ class Completions:
 
     async def __call__(self, scope, receive, send) -> None:
         p = scope["app"].state.proxy
-        body = await read_body(receive, BODY_LIMIT)
+        try:
+            body = await read_body(receive, BODY_LIMIT)
+        except ClientGone:
+            return
         if body is None:
             await send_error(send, 413, f"request body larger than {BODY_LIMIT} bytes")
             return
@@ -74,7 +77,10 @@ class Upstream:
     async def __call__(self, scope, receive, send) -> None:
         p = scope["app"].state.proxy
         model, path = scope["path_params"]["model"], "/" + scope["path_params"]["path"]
-        body = await read_body(receive, BODY_LIMIT)
+        try:
+            body = await read_body(receive, BODY_LIMIT)
+        except ClientGone:
+            return
         if body is None:
             await send_error(send, 413, f"request body larger than {BODY_LIMIT} bytes")
             return

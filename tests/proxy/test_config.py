@@ -73,3 +73,14 @@ def test_unknown_proxy_setting_is_named(tmp_path):
     path = write(tmp_path, "prot: 1\n", one="a: {args: [-m, x]}\n")
     with pytest.raises(ConfigError, match=r"proxy.yaml: prot: unknown key"):
         load_config(path)
+
+
+def test_props_are_checked_against_what_the_profile_states():
+    from proxy.supervisor import check_props
+    from tests.proxy.fakes import profile
+    p = profile("m", parallel=2)  # -m /models/m -np 2, no ctx-size
+    good = {"model_alias": "m", "model_path": "/models/m", "n_ctx": 4096, "total_slots": 2}
+    assert check_props(p, good) == []
+    wrong = check_props(p, {**good, "model_path": "/models/other", "total_slots": 4})
+    assert wrong == ["model_path is '/models/other', the profile says '/models/m'",
+                     "total_slots is 4, the profile says 2"]
