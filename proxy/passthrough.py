@@ -52,6 +52,8 @@ class Completions:
                 lease = await p.scheduler.acquire(model)
             except APIError as e:
                 watch.disarm()
+                # an unknown name is not a label: clients could otherwise grow /metrics without bound
+                p.metrics.on_request(model if model in p.scheduler.models else "(unknown)", e.status, None)
                 await send_error(send, e.status, e.message, e.type)
                 return
             replica = lease.replica

@@ -62,6 +62,9 @@ def test_unknown_and_unloaded_models_are_refused_in_openai_shape(proxy):
     r = proxy.client.post("/v1/chat/completions", json={**CHAT, "model": "never"})
     error = r.json()["error"]
     assert r.status_code == 503 and "'never'" in error["message"] and "POST /jobs" in error["message"]
+    metrics = proxy.client.get("/metrics").text
+    assert 'requests_total{model="(unknown)",status="404"}' in metrics
+    assert 'requests_total{model="never",status="503"}' in metrics
 
 
 def test_six_concurrent_requests_never_exceed_two_in_flight_at_the_server(proxy):
