@@ -81,6 +81,8 @@ class SlotInfo:
     n_prompt_tokens: int
     n_cached: int  # positions whose K/V the slot holds
     n_decoded: int
+    draft_n: int  # drafted and accepted tokens of the slot's current request
+    draft_n_accepted: int
 
 
 @dataclass
@@ -195,7 +197,8 @@ class Engine:
             req = slot.request  # one read: the engine thread may swap it meanwhile
             out.append(SlotInfo(slot.id, self.config.ctx_per_slot, req is not None, req.id if req else None,
                                 len(req.prompt_ids) if req else 0, len(slot.cached_ids),
-                                len(req.output_ids) if req else 0))
+                                len(req.output_ids) if req else 0, req.draft_n if req else 0,
+                                req.draft_n_accepted if req else 0))
         return out
 
     @property

@@ -89,7 +89,7 @@ def create_app(state: ServerState, on_load_failure: Callable[[BaseException], No
     async def props(request: Request):
         s = get_state(request)
         engine, c = s.runner.engine, s.runner.engine.config
-        spec = s.settings.speculative
+        spec = c.spec
         return {
             "model_alias": s.model_name, "model_path": str(engine.files.path), "n_ctx": c.ctx_size,
             "total_slots": c.parallel, "kv_unified": c.kv_unified, "dtype": c.dtype,
@@ -97,17 +97,20 @@ def create_app(state: ServerState, on_load_failure: Callable[[BaseException], No
             "default_generation_settings": {"n_ctx": c.ctx_per_slot, "params": {
                 "temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "n_predict": -1}},
             "build_info": build_info(),
-            "speculative": {"type": spec.get("type"), "n_max": spec.get("n_max"), "n_min": spec.get("n_min"),
-                            "p_min": spec.get("p_min"), "draft_model": spec.get("draft_model")},
+            "speculative": {"type": spec.type if spec else None, "n_max": spec.n_max if spec else 0,
+                            "n_min": spec.n_min if spec else 0, "p_min": spec.p_min if spec else 0.0,
+                            "draft_model": spec.draft_model if spec else None},
             "chat_template": engine.tokenizer.chat_template or "",
         }
 
     @app.get("/slots")
     async def slots(request: Request):
         s = get_state(request)
+        speculative = s.runner.engine.config.spec is not None
         return [{"id": i.id, "id_task": i.id_task, "n_ctx": i.n_ctx, "is_processing": i.is_processing,
-                 "speculative": bool(s.settings.speculative.get("type")), "n_prompt_tokens": i.n_prompt_tokens,
-                 "n_cached": i.n_cached, "next_token": {"n_decoded": i.n_decoded}}
+                 "speculative": speculative, "n_prompt_tokens": i.n_prompt_tokens, "n_cached": i.n_cached,
+                 "next_token": {"n_decoded": i.n_decoded},
+                 "draft_n": i.draft_n, "draft_n_accepted": i.draft_n_accepted}
                 for i in s.runner.engine.slots_info()]
 
     @app.get("/metrics")
@@ -118,7 +121,8 @@ def create_app(state: ServerState, on_load_failure: Callable[[BaseException], No
         cached = [i.n_cached for i in infos]
         gauges = EngineGauges(steps=engine.stats.steps, busy_slots=engine.stats.busy_slots,
                               processing=sum(i.is_processing for i in infos), deferred=engine.num_waiting,
-                              kv_tokens=sum(cached), kv_capacity=engine.cache.capacity, n_tokens_max=max(cached))
+                              kv_tokens=sum(cached), kv_capacity=engine.cache.capacity, n_tokens_max=max(cached),
+                              drafted_at=list(engine.stats.drafted_at), accepted_at=list(engine.stats.accepted_at))
         return PlainTextResponse(s.metrics.render(gauges), media_type="text/plain; version=0.0.4")
 
     @app.post("/tokenize")

@@ -3,14 +3,12 @@ from __future__ import annotations
 
 import argparse
 
+from engine.drafter import SPEC_TYPES, SpecConfig
 from engine.engine import EngineConfig
 from engine.errors import ConfigError
 from engine.kv_cache import KV_DTYPES
 from engine.quant import DTYPES
 from server.state import DEFAULT_BODY_LIMIT, ServerSettings
-
-SPEC_TYPES = {"draft-mtp": "draft-mtp", "mtp": "draft-mtp", "ngram-simple": "ngram-simple", "ngram": "ngram-simple",
-              "draft-simple": "draft-simple", "draft": "draft-simple"}
 
 
 def parser() -> argparse.ArgumentParser:
@@ -34,12 +32,14 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--body-limit", type=int, default=DEFAULT_BODY_LIMIT, help="largest request body, bytes")
     p.add_argument("--drain-timeout", type=float, default=60.0,
                    help="seconds in-flight requests get to finish after SIGTERM")
-    p.add_argument("--spec-type", choices=sorted(SPEC_TYPES), help="drafter (speculation is not implemented yet)")
-    p.add_argument("-md", "--spec-draft-model")
-    p.add_argument("--spec-draft-n-min", type=int, default=0)
-    p.add_argument("--spec-draft-n-max", type=int, default=16)
-    p.add_argument("--spec-draft-p-min", type=float, default=0.75)
-    p.add_argument("--spec-draft-device")
+    p.add_argument("--spec-type", choices=sorted(SPEC_TYPES), help="drafter for speculative decoding")
+    p.add_argument("-md", "--spec-draft-model", help="the MTP draft file (draft-mtp) or draft model (draft-simple)")
+    p.add_argument("--spec-draft-n-min", type=int, default=0, help="draft fewer than this: decode normally")
+    p.add_argument("--spec-draft-n-max", type=int, default=3, help="most tokens drafted per step")
+    p.add_argument("--spec-draft-p-min", type=float, default=0.5,
+                   help="stop drafting when the draft's top-1 probability is below this")
+    p.add_argument("--spec-ngram-size-n", type=int, default=3, help="n-gram length ngram-simple looks up")
+    p.add_argument("--spec-draft-device", choices=["cpu"], default="cpu", help="device the draft runs on")
     return p
 
 
@@ -50,16 +50,14 @@ def parse(argv: list[str] | None = None) -> tuple[EngineConfig, ServerSettings]:
         raise ConfigError(f"--port={a.port}: must be in 1..65535")
     if a.body_limit < 1:
         raise ConfigError(f"--body-limit={a.body_limit}: must be >= 1")
+    spec = None
     if a.spec_type is not None:
-        if not 0 <= a.spec_draft_n_min <= a.spec_draft_n_max:
-            raise ConfigError(f"--spec-draft-n-min={a.spec_draft_n_min}: must be in 0..--spec-draft-n-max")
-        if not 0 <= a.spec_draft_p_min <= 1:
-            raise ConfigError(f"--spec-draft-p-min={a.spec_draft_p_min}: must be in [0, 1]")
-        raise ConfigError(f"--spec-type={a.spec_type}: speculative decoding is not implemented yet")
+        spec = SpecConfig(type=SPEC_TYPES[a.spec_type], draft_model=a.spec_draft_model, n_max=a.spec_draft_n_max,
+                          n_min=a.spec_draft_n_min, p_min=a.spec_draft_p_min, ngram_n=a.spec_ngram_size_n)
     engine = EngineConfig(model=a.model, dtype=a.dtype, ctx_size=a.ctx_size, parallel=a.parallel,
                           batch_size=a.batch_size, ubatch_size=a.ubatch_size, cache_type=a.cache_type_k,
                           cache_type_v=a.cache_type_v, kv_unified=a.kv_unified, threads=a.threads,
-                          chat_template=a.chat_template)
+                          chat_template=a.chat_template, spec=spec)
     settings = ServerSettings(host=a.host, port=a.port, alias=a.alias, api_key=a.api_key, body_limit=a.body_limit,
                               drain_timeout=a.drain_timeout)
     return engine, settings

@@ -50,6 +50,8 @@ class EngineGauges:
     kv_tokens: int
     kv_capacity: int
     n_tokens_max: int
+    drafted_at: list[int]  # per draft position: times a draft reached it
+    accepted_at: list[int]  # and times it was accepted
 
 
 @dataclass
@@ -106,6 +108,10 @@ class Metrics:
         for kind, rows in (("counter", counters), ("gauge", gauges)):
             for name, value, help_ in rows:
                 lines += [f"# HELP {PREFIX}{name} {help_}", f"# TYPE {PREFIX}{name} {kind}", f"{PREFIX}{name} {value}"]
+        name = f"{PREFIX}draft_position_acceptance_ratio"
+        lines += [f"# HELP {name} Share of drafts accepted at each draft position (0 is the first).",
+                  f"# TYPE {name} gauge"]
+        lines += [f'{name}{{position="{i}"}} {rate(a, d)}' for i, (d, a) in enumerate(zip(g.drafted_at, g.accepted_at))]
         lines += self.ttft.lines(f"{PREFIX}time_to_first_token_seconds", "Time to first token.")
         lines += self.itl.lines(f"{PREFIX}inter_token_latency_seconds", "Time between generated tokens.")
         return "\n".join(lines) + "\n"

@@ -18,7 +18,6 @@ class ServerSettings:
     api_key: str | None = None
     body_limit: int = DEFAULT_BODY_LIMIT  # bytes of a request body
     drain_timeout: float = 60.0  # seconds in-flight requests get to finish after SIGTERM
-    speculative: dict = field(default_factory=dict)  # flags kept for /props until speculation lands
 
 
 @dataclass

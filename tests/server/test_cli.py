@@ -18,7 +18,7 @@ def test_llama_server_flags_map_onto_the_configs():
 
 
 @pytest.mark.parametrize("argv,word", [
-    (["--spec-type", "mtp"], "spec-type"),
+    (["--spec-type", "mtp"], "spec_draft_model=None: is required"),
     (["-np", "0"], "parallel"),
     (["--port", "0"], "port"),
 ])

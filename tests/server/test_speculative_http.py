@@ -1,0 +1,59 @@
+"""Speculation through HTTP: same greedy text as without it, and its counters in timings, /slots,
+/metrics and /props."""
+from __future__ import annotations
+
+import re
+
+import pytest
+
+PROMPT = "the cat sat on the mat and the cat sat on the mat and the cat sat on the"
+
+
+@pytest.fixture(scope="module")
+def servers(start_server, tiny_model):
+    common = ["-m", str(tiny_model), "-c", "1024", "-np", "1", "--alias", "tiny"]
+    plain = start_server(common)
+    spec = start_server(common + ["--spec-type", "ngram", "--spec-draft-n-max", "3", "--spec-draft-p-min", "0",
+                                  "--spec-ngram-size-n", "2"])
+    return plain, spec
+
+
+def complete(server) -> dict:
+    with server.client() as c:
+        r = c.post("/v1/completions", json={"model": "tiny", "prompt": PROMPT, "max_tokens": 48,
+                                            "temperature": 0, "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_ngram_speculation_keeps_greedy_text_and_reports_drafts(servers):
+    plain, spec = servers
+    expected, got = complete(plain), complete(spec)
+    assert got["choices"][0]["text"] == expected["choices"][0]["text"]
+    timings = got["timings"]
+    assert timings["draft_n"] > 0 and 0 <= timings["draft_n_accepted"] <= timings["draft_n"]
+    assert "draft_n" not in expected["timings"]
+
+
+def test_speculation_counters_in_props_slots_and_metrics(servers):
+    _, spec = servers
+    done = complete(spec)["timings"]
+    with spec.client() as c:
+        props = c.get("/props").json()["speculative"]
+        slots = c.get("/slots").json()
+        metrics = c.get("/metrics").text
+    assert props["type"] == "ngram-simple" and props["n_max"] == 3 and props["p_min"] == 0
+    assert slots[0]["speculative"] is True and {"draft_n", "draft_n_accepted"} <= slots[0].keys()
+    drafted = int(float(re.search(r"^tandem:draft_tokens_total (\S+)$", metrics, re.M).group(1)))
+    assert drafted >= done["draft_n"] > 0
+    ratios = re.findall(r'^tandem:draft_position_acceptance_ratio\{position="(\d)"\} (\S+)$', metrics, re.M)
+    assert [p for p, _ in ratios][:1] == ["0"] and all(0 <= float(v) <= 1 for _, v in ratios)
+
+
+def test_bad_speculation_flags_are_refused_before_loading(tmp_path):
+    from engine.errors import ConfigError
+    from server.cli import parse
+    with pytest.raises(ConfigError, match=r"spec_draft_model=None: is required with spec_type=draft-mtp"):
+        parse(["--spec-type", "mtp"])
+    with pytest.raises(ConfigError, match=r"spec_draft_n_min=5: must be in 0..spec_draft_n_max=3"):
+        parse(["--spec-type", "ngram", "--spec-draft-n-min", "5"])
