@@ -12,6 +12,10 @@ from engine.quant import BYTES_PER_WEIGHT
 from engine.weights import open_model
 
 
+# q8_0 stores 32 int8 values and one f16 scale per block: 34 bytes per 32 values.
+KV_BYTES_PER_VALUE = {d: (34 / 32 if d == "q8_0" else t.itemsize) for d, t in KV_DTYPES.items()}
+
+
 def _size(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if n < 1024 or unit == "GiB":
@@ -37,7 +41,7 @@ def summary(path: str) -> str:
         "weights:      " + ", ".join(f"{d} {_size(params * b)}" for d, b in BYTES_PER_WEIGHT.items()),
     ]
     for kind, value in kv_bytes_per_token(c, 1).items():
-        per_dtype = ", ".join(f"{d} {_size(value * KV_DTYPES[d].itemsize)}" for d in KV_DTYPES)
+        per_dtype = ", ".join(f"{d} {_size(value * KV_BYTES_PER_VALUE[d])}" for d in KV_DTYPES)
         layers = sum(1 for r in c.layer_ratios if (r == 0) == (kind == "dense"))
         lines.append(f"KV per token per {kind} layer ({layers} layers): {per_dtype}")
     return "\n".join(lines)
