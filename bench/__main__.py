@@ -14,6 +14,7 @@ import dataclasses
 import json
 import signal
 import sys
+from typing import TextIO
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -55,34 +56,20 @@ def workload_from(args: argparse.Namespace) -> Workload:
     return dataclasses.replace(base, **overrides, name="custom")
 
 
+def open_records(path: str) -> TextIO:
+    try:
+        return open(path, "w")
+    except OSError as e:
+        raise FixtureError(f"--out {path}: {e.strerror}") from e
+
+
 async def measure(args: argparse.Namespace, workload: Workload, console: Console) -> int:
-    async with Session(args.url, args.model, workload, args.timeout) as session:
+    async with contextlib.AsyncExitStack() as stack:
+        out = stack.enter_context(open_records(args.out)) if args.out else None
+        session = await stack.enter_async_context(Session(args.url, args.model, workload, args.timeout))
         console.print(f"preparing {workload.runs * workload.lanes} prompts and a warm-up request ...")
         await session.prepare()
-        with (open(args.out, "w") if args.out else contextlib.nullcontext()) as out, \
-                Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                         console=console) as progress:
-            bar = progress.add_task("requests", total=workload.runs * workload.lanes)
-
-            def on_record(record: Record) -> None:
-                if out is not None:  # flushed per record: an interrupted session loses nothing
-                    out.write(record.to_json() + "\n")
-                    out.flush()
-                invalid = sum(not r.valid for r in session.records)
-                progress.update(bar, advance=1, description=f"requests ({invalid} invalid)")
-
-            loop = asyncio.get_running_loop()
-
-            def on_sigint() -> None:
-                console.print("interrupted: finishing records of the requests in flight (Ctrl-C again to abort)")
-                loop.remove_signal_handler(signal.SIGINT)  # a second Ctrl-C raises KeyboardInterrupt
-                session.interrupt()
-
-            loop.add_signal_handler(signal.SIGINT, on_sigint)
-            try:
-                await session.run(on_record)
-            finally:
-                loop.remove_signal_handler(signal.SIGINT)
+        await run_with_progress(session, out, console)
     summary = summarize(session.records, session.describe(), session.interrupted)
     if args.json:
         print(json.dumps(summary.to_json(), indent=2))
@@ -93,6 +80,34 @@ async def measure(args: argparse.Namespace, workload: Workload, console: Console
         plot(session.records, summary, args.plot)
         console.print(f"plot written to {args.plot}")
     return 130 if session.interrupted else 0
+
+
+async def run_with_progress(session: Session, out: TextIO | None, console: Console) -> None:
+    """The measured rounds under a progress bar; the first Ctrl-C ends them cleanly."""
+    total = session.workload.runs * session.workload.lanes
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=console) as progress:
+        bar = progress.add_task("requests", total=total)
+
+        def on_record(record: Record) -> None:
+            if out is not None:  # flushed per record: an interrupted session loses nothing
+                out.write(record.to_json() + "\n")
+                out.flush()
+            invalid = sum(not r.valid for r in session.records)
+            progress.update(bar, advance=1, description=f"requests ({invalid} invalid)")
+
+        loop = asyncio.get_running_loop()
+
+        def on_sigint() -> None:
+            console.print("interrupted: finishing records of the requests in flight (Ctrl-C again to abort)")
+            loop.remove_signal_handler(signal.SIGINT)  # a second Ctrl-C raises KeyboardInterrupt
+            session.interrupt()
+
+        loop.add_signal_handler(signal.SIGINT, on_sigint)
+        try:
+            await session.run(on_record)
+        finally:
+            loop.remove_signal_handler(signal.SIGINT)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -18,15 +18,13 @@ async def served_models(http: httpx.AsyncClient) -> list[str] | None:
     response = await _preflight(http, "GET", "/v1/models")
     if response.status_code == 404:
         return None
-    _check(response, "/v1/models")
-    return [m["id"] for m in response.json().get("data", [])]
+    return [m["id"] for m in _json(response, "/v1/models").get("data", [])]
 
 
 async def tokenize(http: httpx.AsyncClient, text: str) -> list[int]:
     body = TokenizeRequest(content=text, add_special=False).model_dump()
     response = await _preflight(http, "POST", "/tokenize", json=body)
-    _check(response, "/tokenize")
-    return response.json()["tokens"]
+    return _json(response, "/tokenize")["tokens"]
 
 
 async def _preflight(http: httpx.AsyncClient, method: str, path: str, **kwargs) -> httpx.Response:
@@ -36,9 +34,13 @@ async def _preflight(http: httpx.AsyncClient, method: str, path: str, **kwargs) 
         raise FixtureError(f"{http.base_url}{path}: server unreachable ({type(e).__name__}: {e})") from e
 
 
-def _check(response: httpx.Response, what: str) -> None:
+def _json(response: httpx.Response, what: str) -> dict:
     if response.status_code != 200:
         raise FixtureError(f"{what}: HTTP {response.status_code}: {error_message(response.text)}")
+    try:
+        return response.json()
+    except ValueError as e:
+        raise FixtureError(f"{what}: not JSON: {response.text[:200]!r}") from e
 
 
 def error_message(text: str) -> str:

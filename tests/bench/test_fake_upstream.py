@@ -70,7 +70,7 @@ def test_failed_requests_are_records_not_gaps(fake, tmp_path, capsys):
 def test_fixture_problems_exit_2_before_any_measured_request(fake, tmp_path, capsys, mode, args, message, sent):
     fake.mode = mode
     rc, summary, records, err = bench(fake, tmp_path, capsys, *args)
-    assert rc == 2 and summary is None and records == []
+    assert rc == 2 and summary is None and records == []  # the records file is opened first, and stays empty
     assert message in " ".join(err.split())  # rich wraps long lines
     assert fake.completions == sent  # at most the warm-up
 
@@ -78,4 +78,9 @@ def test_fixture_problems_exit_2_before_any_measured_request(fake, tmp_path, cap
 def test_unreachable_server_exits_2(tmp_path, capsys):
     rc = main(["--url", f"http://127.0.0.1:{free_port()}", "--model", MODEL, "--out", str(tmp_path / "r.jsonl")])
     assert rc == 2 and "server unreachable" in capsys.readouterr().err
-    assert not (tmp_path / "r.jsonl").exists()
+    assert (tmp_path / "r.jsonl").read_text() == ""
+
+
+def test_unwritable_records_file_exits_2_before_any_request(fake, tmp_path, capsys):
+    rc = main(["--url", fake.url, "--model", MODEL, "--out", str(tmp_path / "missing" / "r.jsonl")])
+    assert rc == 2 and "--out" in capsys.readouterr().err and fake.completions == 0
