@@ -10,7 +10,6 @@ import re
 import sqlite3
 from dataclasses import dataclass
 
-import httpx
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
@@ -28,11 +27,10 @@ from proxy.metrics import ProxyMetrics
 from proxy.passthrough import COMPLETION_PATHS, Completions, Upstream
 from proxy.scheduler import Scheduler
 from proxy.supervisor import Supervisor
+from proxy.upstream import UpstreamClient
 from server.protocol import APIError, error_body
 
 log = logging.getLogger("tandem.proxy")
-# Upstream reads may wait as long as a generation takes; connecting to a local server may not.
-UPSTREAM_TIMEOUT = httpx.Timeout(connect=5.0, read=None, write=60.0, pool=None)
 
 
 @dataclass
@@ -45,7 +43,7 @@ class Proxy:
     supervisor: Supervisor
     bus: LogBus
     metrics: ProxyMetrics
-    http: httpx.AsyncClient
+    upstream: UpstreamClient
 
     def reload(self) -> ProxyConfig:
         """Re-reads the config; raises ConfigError (and changes nothing) when any profile is invalid."""
@@ -104,9 +102,8 @@ async def start_proxy(config: ProxyConfig, overrides: dict | None = None):
     supervisor = Supervisor(lambda event: scheduler.post(event), children, bus, state_dir / "logs",
                             config.settings.log_tail_lines)
     scheduler = Scheduler(config, supervisor, store)
-    http = httpx.AsyncClient(timeout=UPSTREAM_TIMEOUT, limits=httpx.Limits(max_connections=None,
-                                                                             max_keepalive_connections=256))
-    proxy = Proxy(config, overrides or {}, db, store, scheduler, supervisor, bus, ProxyMetrics(), http)
+    upstream = UpstreamClient()
+    proxy = Proxy(config, overrides or {}, db, store, scheduler, supervisor, bus, ProxyMetrics(), upstream)
     run = asyncio.ensure_future(scheduler.run())
     try:
         yield proxy
@@ -115,7 +112,7 @@ async def start_proxy(config: ProxyConfig, overrides: dict | None = None):
         scheduler.interrupt("the proxy shut down")
         log.info("shutting down: stopping %d server(s)", len(supervisor.processes))
         await supervisor.shutdown()
-        await http.aclose()
+        upstream.close()
         logging.getLogger("tandem.proxy").removeHandler(handler)
         db.close()
 

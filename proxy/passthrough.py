@@ -57,7 +57,7 @@ class Completions:
                 await send_error(send, e.status, e.message, e.type)
                 return
             replica = lease.replica
-            outcome = await relay(scope, send, watch, p.http, f"http://127.0.0.1:{replica.port}", self.path, body,
+            outcome = await relay(scope, send, watch, p.upstream, replica.port, self.path, body,
                                   why_cancelled=lambda: lease.cancel_reason)
             p.metrics.on_request(model, outcome.status, outcome.timings)
             p.scheduler.release(lease, outcome.failure)
@@ -104,7 +104,7 @@ class Upstream:
         scope = {**scope, "query_string": urlencode([(k, v) for k, v in query if k != "replica"]).encode()}
         watch = DisconnectWatch(receive)
         try:
-            await relay(scope, send, watch, p.http, f"http://127.0.0.1:{replica.port}", path, body)
+            await relay(scope, send, watch, p.upstream, replica.port, path, body)
         except asyncio.CancelledError:
             if not watch.fired:
                 raise

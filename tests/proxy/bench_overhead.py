@@ -67,6 +67,7 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=12)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--prompt-chars", type=int, default=200)
+    ap.add_argument("--threads", type=int, default=1, help="server torch threads (-t); 1 leaves a core to the rest")
     a = ap.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # so that `finally` stops the proxy and server
     rng = random.Random(SEED)
@@ -74,7 +75,8 @@ def main() -> int:
     if a.model == "tiny":
         from engine.tiny import write_tiny_model
         a.model = str(write_tiny_model(json.loads(TINY_CONFIG.read_text()), root / "tiny"))
-    proxy = ProxyProcess(root, {"bench": {"args": ["-m", a.model, "-c", "4096", "-np", "1", "--dtype", a.dtype],
+    proxy = ProxyProcess(root, {"bench": {"args": ["-m", a.model, "-c", "4096", "-np", "1", "--dtype", a.dtype,
+                                                   "-t", str(a.threads)],
                                           "health_timeout": 300}})
     try:
         proxy.start()
@@ -99,7 +101,7 @@ def main() -> int:
                 r = rows[name][-1]
                 print(f"run {run:2d} {name:6s} ttft {r['ttft_ms']:8.2f} ms  overhead {r['overhead_ms']:6.2f} ms  "
                       f"TG {r['tg']:7.2f} tok/s", flush=True)
-        print(f"config: model={a.model} dtype={a.dtype} parallel=1 runs={a.runs} tokens={a.tokens} "
+        print(f"config: model={a.model} dtype={a.dtype} threads={a.threads} parallel=1 runs={a.runs} tokens={a.tokens} "
               f"prompt_chars={a.prompt_chars} order=ABBA seed={SEED}")
         med = {name: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for name, rs in rows.items()}
         for name, m in med.items():
