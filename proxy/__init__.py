@@ -11,7 +11,9 @@ Who does what:
     supervisor.py   the Effects: start (ports, health, /props check) and stop servers, timers
     process.py      one server process and its log; children.py: no server outlives the proxy
     forward.py      the byte-for-byte relay; passthrough.py: the routes that use it
-    app.py          the FastAPI app; __main__.py the CLI
+    upstream.py     keep-alive HTTP/1.1 to the servers for the relay (h11 on asyncio streams)
+    logbus.py       log lines of proxy and servers for /logs/stream; metrics.py: /metrics
+    app.py          the FastAPI app behind a small ASGI front; __main__.py the CLI
 
 The life of a streamed chat request:
     1. Completions reads the body, takes `model` from it and starts watching for a disconnect.
