@@ -148,7 +148,9 @@ def test_logs_stream_carries_the_servers_lines(proxy):
 def test_unload_during_a_long_stream_lets_it_finish_then_the_server_is_gone(proxy):
     proxy.job("load", "spare")
     [replica] = proxy.replicas("spare")
-    body = {"model": "spare", "prompt": "long", "max_tokens": 40, "ignore_eos": True, "stream": True}
+    probe = proxy.client.post("/v1/completions", json={"model": "spare", "prompt": "x", "max_tokens": 8})
+    tokens = max(40, min(900, int(3 * probe.json()["timings"]["predicted_per_second"])))  # about 3 s of stream
+    body = {"model": "spare", "prompt": "long", "max_tokens": tokens, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", proxy.url + "/v1/completions", json=body, timeout=120) as r:
         lines = r.iter_lines()
         events = [json.loads(wait_until(lambda: next(lines), 30, "the first event")[6:])]
@@ -159,7 +161,7 @@ def test_unload_during_a_long_stream_lets_it_finish_then_the_server_is_gone(prox
         assert refused.status_code == 503 and "being unloaded" in refused.text
         events += sse_events(lines)
         stream_ended = time.time()
-    assert events[-1] == "[DONE]" and events[-2]["usage"]["completion_tokens"] == 40
+    assert events[-1] == "[DONE]" and events[-2]["usage"]["completion_tokens"] == tokens
     done = proxy.wait_job(unload["id"], 30)
     assert done["status"] == "succeeded" and done["finished_at"] >= stream_ended - 0.5
     assert not alive(replica["pid"]) and proxy.replicas("spare") == []
