@@ -84,3 +84,11 @@ def test_props_are_checked_against_what_the_profile_states():
     wrong = check_props(p, {**good, "model_path": "/models/other", "total_slots": 4})
     assert wrong == ["model_path is '/models/other', the profile says '/models/m'",
                      "total_slots is 4, the profile says 2"]
+
+
+def test_the_proxy_never_imports_torch_or_the_engine():
+    import subprocess
+    import sys
+    code = ("import sys, proxy.__main__, proxy.app; "
+            "bad = [m for m in sys.modules if m == 'torch' or m.split('.')[0] == 'engine']; assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, timeout=60)
