@@ -1,0 +1,89 @@
+"""An MTP draft file round-trips: what engine.train_mtp saves loads back into MTPDraft with the same
+logits, and a draft made for another target is refused with a message that says why."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine import mtp
+from engine.batch import ForwardBatch, Row
+from engine.errors import ConfigError
+from engine.kv_cache import KVCache
+from engine.tiny import write_tiny_model
+from engine.train_mtp import draft_tensors
+from engine.weights import open_model
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "tiny"
+SUBSET = 64
+
+
+def tiny_target(tmp_path_factory, name: str = "llama", seed: int = 0, **overrides):
+    config = {**json.loads((CONFIGS / f"{name}.json").read_text()), **overrides}
+    files = open_model(write_tiny_model(config, tmp_path_factory.mktemp(f"{name}-{seed}"), seed=seed))
+    tensors = files.load_tensors()
+    return files.config, tensors, mtp.target_fingerprint(files.config, tensors["model.embed_tokens.weight"])
+
+
+def save_draft(path: Path, config, tensors, fingerprint: str, seed: int = 0) -> dict[str, torch.Tensor]:
+    draft = draft_tensors(config, tensors, torch.randperm(config.vocab_size)[:SUBSET], "random", seed)
+    mtp.save(path, draft, num_layers=1, fingerprint=fingerprint, target_name="tiny", dtype=torch.bfloat16)
+    return draft
+
+
+def subset_logits(draft: mtp.MTPDraft, hidden: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    cfg = draft.config
+    batch = ForwardBatch.build([Row(0, 0, tokens.tolist())])
+    with torch.no_grad():
+        embeddings = torch.randn(len(tokens), cfg.hidden_size, generator=torch.Generator().manual_seed(1))
+        return draft(1, hidden, embeddings, batch, KVCache(1, 1, len(tokens), cfg.num_kv_heads, cfg.head_dim))[1]
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    return tiny_target(tmp_path_factory)
+
+
+def test_saved_draft_loads_back_with_the_same_logits(target, tmp_path):
+    config, tensors, fingerprint = target
+    made = save_draft(tmp_path / "draft.safetensors", config, tensors, fingerprint)
+    # The file holds bf16: the draft as trained, rounded once, is what must come back.
+    rounded = {n: t if n == "head.vocab_ids" else t.to(torch.bfloat16).float() for n, t in made.items()}
+    loaded = mtp.load_tensors(tmp_path / "draft.safetensors")
+    assert loaded.keys() == made.keys()
+    assert torch.equal(loaded["head.vocab_ids"], made["head.vocab_ids"])
+    hidden, tokens = torch.randn(12, config.hidden_size), torch.arange(12)
+    expected = subset_logits(mtp.MTPDraft(config, rounded, 1, "f32", 64), hidden, tokens)
+    assert torch.equal(subset_logits(mtp.MTPDraft(config, loaded, 1, "f32", 64), hidden, tokens), expected)
+    header = mtp.read_header(tmp_path / "draft.safetensors")
+    assert (header.num_layers, header.hidden_size, header.subset_size) == (1, config.hidden_size, SUBSET)
+    mtp.check_compatible(header, tmp_path / "draft.safetensors", config, fingerprint)  # its own target: accepted
+
+
+def test_draft_for_another_target_is_refused(target, tmp_path, tmp_path_factory):
+    config, tensors, fingerprint = target
+    other_config, other_tensors, other_fingerprint = tiny_target(tmp_path_factory, seed=1)  # same geometry
+    path = tmp_path / "other.safetensors"
+    save_draft(path, other_config, other_tensors, other_fingerprint)
+    with pytest.raises(ConfigError, match="trained for another target"):
+        mtp.check_compatible(mtp.read_header(path), path, config, fingerprint)
+
+
+def test_draft_of_another_hidden_size_is_refused(target, tmp_path, tmp_path_factory):
+    config, tensors, fingerprint = target
+    wide = tiny_target(tmp_path_factory, hidden_size=96, seed=2)
+    path = tmp_path / "wide.safetensors"
+    save_draft(path, *wide)
+    with pytest.raises(ConfigError, match=f"hidden size 96 does not match the target's hidden_size={config.hidden_size}"):
+        mtp.check_compatible(mtp.read_header(path), path, config, fingerprint)
+
+
+def test_a_file_that_is_not_a_draft_is_refused(tmp_path):
+    from safetensors.torch import save_file
+    save_file({"x": torch.zeros(2)}, str(tmp_path / "plain.safetensors"))
+    with pytest.raises(ConfigError, match="not a tandem MTP draft"):
+        mtp.read_header(tmp_path / "plain.safetensors")
+    with pytest.raises(ConfigError, match="does not exist"):
+        mtp.read_header(tmp_path / "missing.safetensors")
