@@ -69,3 +69,36 @@ def test_rejected_drafts_leave_exactly_the_accepted_tokens_in_the_cache(ngram_en
     logits = [model.logits(model(ForwardBatch.build([Row(slot, n, [next_token])]), cache))[0]
               for slot in (req.slot, other)]
     assert torch.allclose(logits[0], logits[1], atol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    import json
+    from pathlib import Path
+
+    from engine.tiny import write_tiny_model
+    config = json.loads((Path(__file__).resolve().parents[2] / "configs/tiny/llama.json").read_text())
+    return write_tiny_model(config, tmp_path_factory.mktemp("tiny-draft"), seed=0)
+
+
+def test_draft_model_greedy_equals_plain_greedy(tiny_dir):
+    # The target drafting for itself: every draft must be accepted, and the output unchanged.
+    plain = Engine.load(EngineConfig(model=str(tiny_dir), ctx_size=512))
+    spec = SpecConfig(type="draft-simple", draft_model=str(tiny_dir), n_max=3, p_min=0.0)
+    drafted = Engine.load(EngineConfig(model=str(tiny_dir), ctx_size=512, spec=spec))
+    ids = plain.tokenizer.encode("the tide comes in and the tide goes out")
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    expected = [t for s in plain.generate(ids, params) for t in s.token_ids]
+    steps = list(drafted.generate(ids, params))
+    assert [t for s in steps for t in s.token_ids] == expected
+    req = steps[-1].request
+    assert req.draft_n > 0 and req.draft_n_accepted == req.draft_n
+
+
+def test_sampling_with_a_draft_stays_reproducible_per_seed(tiny_dir):
+    spec = SpecConfig(type="draft-simple", draft_model=str(tiny_dir), n_max=3, p_min=0.0)
+    drafted = Engine.load(EngineConfig(model=str(tiny_dir), ctx_size=512, spec=spec))
+    ids = drafted.tokenizer.encode("once upon a time")
+    params = SamplingParams(temperature=0.8, seed=5, max_tokens=30, ignore_eos=True)
+    runs = [[t for s in drafted.generate(ids, params, cache_prompt=False) for t in s.token_ids] for _ in range(2)]
+    assert runs[0] == runs[1] and len(runs[0]) == 30
