@@ -362,6 +362,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--gen-only", action="store_true", help="stop once the data is written")
     ap.add_argument("--minutes", type=float, default=15, help="training time")
     ap.add_argument("--subset", type=int, default=8192, help="head size K")
+    ap.add_argument("--init", help="a saved draft to go on training instead of a fresh one")
     ap.add_argument("--eh-init", choices=("random", "identity"), default="identity")
     ap.add_argument("--scale-norms", action=argparse.BooleanOptionalAction, default=True,
                     help="start enorm/hnorm at the residual RMS entering the target's last layer (else 1)")
@@ -409,12 +410,16 @@ def main() -> None:
           f"{data.seconds:.0f} s", flush=True)
     t0 = time.perf_counter()
     cfg, target = engine.files.config, engine.files.load_tensors()
-    vocab_ids = subset_ids(data, args.subset, cfg.vocab_size)
-    scale = residual_rms(engine, data.train[-1].next_ids.tolist()) if args.scale_norms else 1.0
-    print(f"draft: K={len(vocab_ids)}, enorm/hnorm start at {scale:.1f}", flush=True)
+    if args.init:  # go on training a saved draft (its subset included)
+        start = mtp.load_tensors(args.init)
+        print(f"draft: from {args.init}, K={len(start['head.vocab_ids'])}", flush=True)
+    else:
+        vocab_ids = subset_ids(data, args.subset, cfg.vocab_size)
+        scale = residual_rms(engine, data.train[-1].next_ids.tolist()) if args.scale_norms else 1.0
+        print(f"draft: K={len(vocab_ids)}, enorm/hnorm start at {scale:.1f}", flush=True)
+        start = draft_tensors(cfg, target, vocab_ids, args.eh_init, args.seed, scale)
     max_len = max(len(s.next_ids) for s in data.train + data.heldout)
-    draft = mtp.MTPDraft(cfg, draft_tensors(cfg, target, vocab_ids, args.eh_init, args.seed, scale), 1, "f32",
-                         2 * max_len + 4)
+    draft = mtp.MTPDraft(cfg, start, 1, "f32", 2 * max_len + 4)
     fingerprint = mtp.target_fingerprint(cfg, target["model.embed_tokens.weight"])
     del target
     embed = engine.model.embed_tokens  # frozen and shared with the target
