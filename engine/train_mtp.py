@@ -1,19 +1,21 @@
 """Train an MTP draft for a target by self-distillation (DESIGN.md, "MTP draft").
 
-    python -m engine.train_mtp --out configs/drafts/smollm2-135m-mtp.safetensors [--minutes 12] ...
+    python -m engine.train_mtp --out configs/drafts/smollm2-135m-mtp.safetensors [--minutes 15] ...
 
 1. Data: the target's own greedy answers to chat prompts (configs/drafts/mtp-prompts.json: every
    task template x every topic, whole topics held out) and plain English from
    /usr/share/common-licenses, all run through the engine with batched decode, while a hook keeps the
-   target's hidden state after its final norm at every position.
+   target's hidden state after its final norm at every position. `--data` caches it; `--more-data`
+   adds caches made with `--skip-prompts ... --gen-only`.
 2. Labels: at position i the draft sees (h_i, x_{i+1}) and learns the target's argmax at i+1 (its
    prediction of x_{i+2}). In an answer that is the next answer token; in plain text the lm_head's argmax.
 3. Model: one MTP layer whose block starts as the target's last decoder layer, eh_proj from scratch,
-   and a head over the K most frequent labels (rows of the target's lm_head). The depth-2 input (the
-   block output and the drafted token) is trained too, teacher-forced, since a one-layer file reuses
-   its layer for the deeper steps.
+   and a frozen head over K ids (rows of the target's lm_head). With `--depth2 W` depth 2 (the block
+   output and the drafted token) is trained too, teacher-forced, since a one-layer file reuses its
+   layer for the deeper steps; `--init` goes on training a saved draft.
 4. Held-out evaluation of the chain the server drafts (n_max 3, greedy), then save (bf16) and check
-   that the file loads back into MTPDraft with the same logits.
+   that the file loads back into MTPDraft with the same logits. configs/drafts/smollm2-135m-mtp.md
+   records how the committed draft was made.
 """
 from __future__ import annotations
 
@@ -215,13 +217,13 @@ def file_tensors(draft) -> dict[str, torch.Tensor]:
     return out
 
 
-def run_row(draft, hidden, emb, positions=None, mask=None, depth: int = 1):
+def run_row(draft, hidden, emb, positions=None, mask=None):
     """The draft over one row of positions in a fresh cache (causal by default): (block output, logits)."""
     n, cfg = len(hidden), draft.config
     positions = torch.arange(n) if positions is None else positions
     batch = ForwardBatch([Row(0, 0, [0] * n)], torch.zeros(n, dtype=torch.long), positions,
                          [causal_mask(0, n) if mask is None else mask])
-    return draft(depth, hidden, emb, batch, KVCache(1, 1, n, cfg.num_kv_heads, cfg.head_dim))
+    return draft(1, hidden, emb, batch, KVCache(1, 1, n, cfg.num_kv_heads, cfg.head_dim))
 
 
 @dataclass
