@@ -1,0 +1,164 @@
+"""`python -m engine.bench`: prompt processing (PP) and token generation (TG) speed of the engine at
+each weight format against transformers' generate() in fp32, on the same model, in one run.
+
+    python -m engine.bench [--dtypes f32 bf16 int8] [--runs 5] [--pp 512] [--tg 128] [--threads N]
+
+Every run measures each system once, in turn (alternating, so that a noisy neighbour hurts all of
+them alike), and the table gives medians over runs and each median's ratio to transformers.
+PP: a prompt of `--pp` tokens of plain English (GPL-3), prefilled from an empty cache.
+TG: `--tg` tokens at batch 1 after a short chat prompt, greedy, end of text ignored; timed from the
+first generated token to the last, so prefill is not in it.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from engine.quant import DTYPES
+
+TEXT = Path("/usr/share/common-licenses/GPL-3")
+CHAT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
+
+
+@dataclass
+class Result:
+    system: str  # "tandem f32", "transformers f32", ...
+    pp: list[float] = field(default_factory=list)  # tokens/s, one per run
+    tg: list[float] = field(default_factory=list)
+
+    @property
+    def pp_median(self) -> float:
+        return statistics.median(self.pp)
+
+    @property
+    def tg_median(self) -> float:
+        return statistics.median(self.tg)
+
+
+def prompt_tokens(tokenizer, n: int) -> list[int]:
+    """The first n tokens of plain English; repeated if the text is short."""
+    text = TEXT.read_text() if TEXT.exists() else " ".join(["The quick brown fox jumps over the lazy dog."] * 400)
+    ids = tokenizer.encode(text)
+    while len(ids) < n:
+        ids += ids
+    return ids[:n]
+
+
+class TandemSystem:
+    def __init__(self, model: str, dtype: str, ctx: int):
+        from engine.engine import Engine, EngineConfig
+        self.name = f"tandem {dtype}"
+        self.engine = Engine.load(EngineConfig(model=model, dtype=dtype, ctx_size=ctx, parallel=1))
+
+    def pp(self, ids: list[int]) -> float:
+        from engine.sampling import SamplingParams
+        out = list(self.engine.generate(ids, SamplingParams(temperature=0, max_tokens=1), cache_prompt=False))
+        t = out[-1].request.timings()
+        return 1000 * t.prompt_n / t.prompt_ms
+
+    def tg(self, ids: list[int], n: int) -> float:
+        from engine.sampling import SamplingParams
+        params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+        stamps = [time.perf_counter() for out in self.engine.generate(ids, params, cache_prompt=False)
+                  for _ in out.token_ids]
+        return (len(stamps) - 1) / (stamps[-1] - stamps[0])
+
+
+class TransformersSystem:
+    """transformers' own load of the same file, in fp32: the reference implementation."""
+
+    def __init__(self, model: str):
+        from transformers import AutoModelForCausalLM
+        from engine.weights import open_model
+        self.name = "transformers f32"
+        path = open_model(model).path
+        kwargs = {"gguf_file": path.name} if path.suffix == ".gguf" else {}
+        root = path.parent if path.suffix == ".gguf" else path
+        self.model = AutoModelForCausalLM.from_pretrained(str(root), dtype=torch.float32, **kwargs).eval()
+
+    @torch.inference_mode()
+    def pp(self, ids: list[int]) -> float:
+        x = torch.tensor([ids])
+        t0 = time.perf_counter()
+        self.model(x, use_cache=True)
+        return len(ids) / (time.perf_counter() - t0)
+
+    @torch.inference_mode()
+    def tg(self, ids: list[int], n: int) -> float:
+        stamps = []
+
+        class Stamps:  # transformers' streamer protocol: put() once for the prompt, then per token
+            def put(self, value):
+                stamps.append(time.perf_counter())
+
+            def end(self):
+                pass
+
+        self.model.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                            streamer=Stamps(), pad_token_id=self.model.config.eos_token_id)
+        stamps = stamps[1:]
+        return (len(stamps) - 1) / (stamps[-1] - stamps[0])
+
+
+def run(systems, pp_ids: list[int], tg_ids: list[int], tg_n: int, runs: int, log=print) -> list[Result]:
+    results = [Result(s.name) for s in systems]
+    for s in systems:  # warm-up: compilation, allocator, caches
+        s.pp(pp_ids[:64])
+        s.tg(tg_ids, 8)
+    for i in range(runs):
+        for s, r in zip(systems, results):
+            r.pp.append(s.pp(pp_ids))
+            r.tg.append(s.tg(tg_ids, tg_n))
+            log(f"run {i + 1}/{runs} {s.name:18s} PP {r.pp[-1]:7.1f}  TG {r.tg[-1]:6.1f} tok/s")
+    return results
+
+
+def table(results: list[Result], reference: str | None) -> str:
+    ref = next((r for r in results if r.system == reference), None)
+    lines = [f"{'system':18s} {'PP tok/s':>9s} {'ratio':>6s} {'TG tok/s':>9s} {'ratio':>6s}"]
+    for r in results:
+        pp_ratio = f"{r.pp_median / ref.pp_median:5.2f}x" if ref else ""
+        tg_ratio = f"{r.tg_median / ref.tg_median:5.2f}x" if ref else ""
+        lines.append(f"{r.system:18s} {r.pp_median:9.1f} {pp_ratio:>6s} {r.tg_median:9.1f} {tg_ratio:>6s}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m engine.bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("-m", "--model", default="default")
+    p.add_argument("--dtypes", nargs="+", choices=DTYPES, default=list(DTYPES))
+    p.add_argument("--runs", type=int, default=5)
+    p.add_argument("--pp", type=int, default=512, help="prompt tokens for PP")
+    p.add_argument("--tg", type=int, default=128, help="generated tokens for TG")
+    p.add_argument("-t", "--threads", type=int, help="torch threads (default: torch's choice)")
+    p.add_argument("--no-transformers", action="store_true", help="skip the reference")
+    p.add_argument("--json", type=Path, help="also write the per-run figures here")
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    ctx = args.pp + args.tg + 256
+    systems = [TandemSystem(args.model, d, ctx) for d in args.dtypes]
+    if not args.no_transformers:
+        systems.append(TransformersSystem(args.model))
+    tok = systems[0].engine.tokenizer
+    pp_ids = prompt_tokens(tok, args.pp)
+    tg_ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": CHAT}]))
+    print(f"model {args.model}, PP {args.pp} tokens, TG {args.tg} tokens at batch 1, "
+          f"{torch.get_num_threads()} threads, {args.runs} runs", flush=True)
+    results = run(systems, pp_ids, tg_ids, args.tg, args.runs, log=lambda s: print(s, flush=True))
+    print("\nmedians:\n" + table(results, None if args.no_transformers else "transformers f32"))
+    if args.json:
+        args.json.write_text(json.dumps([asdict(r) for r in results], indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
