@@ -23,18 +23,41 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        # Normalised in f32, rounded to x's dtype, then scaled: the reference's order of operations.
+        return self.weight * F.rms_norm(x.float(), x.shape[-1:], eps=self.eps).to(x.dtype)
+
+
+# Projections that read the same input run as one matrix; their checkpoint names, in order.
+FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+         "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
+
+
+def fused_linear(t: dict, p: str, fused: str, with_bias: bool, dtype: str) -> Linear:
+    parts = [p + name for name in FUSED[fused]]
+    weight = torch.cat([t[n + ".weight"] for n in parts])
+    bias = torch.cat([t[n + ".bias"] for n in parts]) if with_bias else None
+    return Linear(weight, bias, dtype)
+
+
+def split_fused(tensors: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
+    """Module tensors -> checkpoint names: each fused projection back into its parts."""
+    sizes = {"self_attn.qkv_proj": [config.num_heads * config.head_dim] + [config.num_kv_heads * config.head_dim] * 2,
+             "mlp.gate_up_proj": [config.intermediate_size] * 2}
+    out = {}
+    for name, value in tensors.items():
+        fused = next((f for f in FUSED if f + "." in name), None)
+        if fused is None:
+            out[name] = value
+            continue
+        for part, piece in zip(FUSED[fused], value.split(sizes[fused])):
+            out[name.replace(fused, part)] = piece
+    return out
 
 
 class Attention(nn.Module):
     def __init__(self, c: ModelConfig, t: dict, p: str, dtype: str):
         super().__init__()
-        bias = (lambda n: t.get(p + n)) if c.attention_bias else (lambda n: None)
-        self.q_proj = Linear(t[p + "q_proj.weight"], bias("q_proj.bias"), dtype)
-        self.k_proj = Linear(t[p + "k_proj.weight"], bias("k_proj.bias"), dtype)
-        self.v_proj = Linear(t[p + "v_proj.weight"], bias("v_proj.bias"), dtype)
+        self.qkv_proj = fused_linear(t, p[:-len("self_attn.")], "self_attn.qkv_proj", c.attention_bias, dtype)
         self.o_proj = Linear(t[p + "o_proj.weight"], None, dtype)
         cdt = compute_dtype(dtype)
         self.q_norm = RMSNorm(t[p + "q_norm.weight"], c.rms_norm_eps, cdt) if c.qk_norm else None
@@ -43,13 +66,13 @@ class Attention(nn.Module):
         self.group = c.num_heads // c.num_kv_heads
 
     def forward(self, x, batch: ForwardBatch, cos, sin, cache: KVCache, layer: int) -> torch.Tensor:
-        n = x.shape[0]
-        q = self.q_proj(x).view(n, self.heads, self.head_dim)
-        k = self.k_proj(x).view(n, self.kv_heads, self.head_dim)
-        v = self.v_proj(x).view(n, self.kv_heads, self.head_dim)
+        n, heads = x.shape[0], self.heads
+        qkv = self.qkv_proj(x).view(n, heads + 2 * self.kv_heads, self.head_dim)
+        qk = qkv[:, :heads + self.kv_heads]
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            qk = torch.cat([self.q_norm(qk[:, :heads]), self.k_norm(qk[:, heads:])], dim=1)
+        qk = apply_rope(qk, cos, sin)  # q and k rotated in one pass
+        q, k, v = qk[:, :heads], qk[:, heads:], qkv[:, heads + self.kv_heads:]
         cache_dtype = cache.k[layer].dtype
         out = torch.empty_like(q)
         offset = 0
@@ -61,7 +84,7 @@ class Attention(nn.Module):
             keys, values = cache.read(layer, row.slot, row.start + t)
             out[sl] = self._attend(q[sl], keys.to(q.dtype), values.to(q.dtype), mask)
             offset += t
-        return self.o_proj(out.view(n, self.heads * self.head_dim))
+        return self.o_proj(out.view(n, heads * self.head_dim))
 
     def _attend(self, q, keys, values, mask) -> torch.Tensor:
         # Grouped-query attention without repeating K/V: the `group` query heads that share a kv
@@ -71,21 +94,22 @@ class Attention(nn.Module):
         qg = qg.reshape(self.kv_heads, self.group * t, self.head_dim)
         if mask is not None:
             mask = mask.repeat(self.group, 1)
-        o = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask)
-        # [kv_heads, group*T, d] -> [T, heads, d]
+        # A leading batch axis: with 3-d inputs torch takes its slower reference path.
+        o = F.scaled_dot_product_attention(qg[None], keys[None], values[None], attn_mask=mask)
+        # [1, kv_heads, group*T, d] -> [T, heads, d]
         return o.view(self.kv_heads, self.group, t, self.head_dim).permute(2, 0, 1, 3).reshape(t, self.heads, self.head_dim)
 
 
 class MLP(nn.Module):
     def __init__(self, c: ModelConfig, t: dict, p: str, dtype: str):
         super().__init__()
-        bias = (lambda n: t.get(p + n)) if c.mlp_bias else (lambda n: None)
-        self.gate_proj = Linear(t[p + "gate_proj.weight"], bias("gate_proj.bias"), dtype)
-        self.up_proj = Linear(t[p + "up_proj.weight"], bias("up_proj.bias"), dtype)
-        self.down_proj = Linear(t[p + "down_proj.weight"], bias("down_proj.bias"), dtype)
+        self.gate_up_proj = fused_linear(t, p[:-len("mlp.")], "mlp.gate_up_proj", c.mlp_bias, dtype)
+        self.down_proj = Linear(t[p + "down_proj.weight"], t.get(p + "down_proj.bias") if c.mlp_bias else None, dtype)
+        self.inter = c.intermediate_size
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -113,7 +137,7 @@ class Transformer(nn.Module):
         self.config, self.dtype = config, dtype
         self.compute_dtype = compute_dtype(dtype)
         head = tensors["model.embed_tokens.weight"] if config.tie_word_embeddings else tensors["lm_head.weight"]
-        self.lm_head = Linear(head, None, dtype)
+        self.lm_head = Linear(head, None, dtype, keep_rows=config.tie_word_embeddings)
         # A tied embedding is read from the lm_head's (possibly quantized) rows: one copy in memory.
         self.embed = None if config.tie_word_embeddings else \
             tensors["model.embed_tokens.weight"].to(self.compute_dtype)

@@ -34,6 +34,7 @@ from engine import mtp
 from engine.batch import ForwardBatch, Row, causal_mask
 from engine.engine import Engine, EngineConfig
 from engine.kv_cache import KVCache
+from engine.model import split_fused
 from engine.sampling import SamplingParams
 
 PROMPTS = Path(__file__).resolve().parent.parent / "configs" / "drafts" / "mtp-prompts.json"
@@ -211,8 +212,8 @@ def residual_rms(engine: Engine, tokens: list[int]) -> float:
 
 
 def file_tensors(draft) -> dict[str, torch.Tensor]:
-    """The draft's tensors under the file's names (its module names are the file's names)."""
-    out = {n: b.detach() for n, b in draft.named_buffers() if n.endswith(".weight")}
+    """The draft's tensors under the file's names (its module names, fused projections split)."""
+    out = split_fused({n: b.detach() for n, b in draft.named_buffers() if n.endswith(".weight")}, draft.config)
     out["head.vocab_ids"] = draft.vocab_ids
     return out
 

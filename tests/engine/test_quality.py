@@ -12,11 +12,13 @@ import torch
 from engine.batch import ForwardBatch, Row
 from engine.kv_cache import KVCache
 from engine.model import Transformer
+from engine.quant import INT8_MATVEC_MAX_ROWS
 from engine.weights import open_model
 
 TEXT = Path("/usr/share/common-licenses/GPL-3")
 N_TOKENS = 2000
-CHUNK = 256
+# Chunks small enough for the kernels decode runs (int8: the int8-weight product, not a dequantized matmul).
+CHUNK = INT8_MATVEC_MAX_ROWS
 
 
 @pytest.fixture(scope="module")
