@@ -2,12 +2,20 @@
 each weight format against transformers' generate() in fp32, on the same model, in one run.
 
     python -m engine.bench [--dtypes f32 bf16 int8] [--runs 5] [--pp 512] [--tg 128] [--threads N]
+    python -m engine.bench --dtypes f32 int8 --spec-type draft-mtp -md configs/drafts/smollm2-135m-mtp.safetensors \
+        --heldout 5 --no-transformers
 
 Every run measures each system once, in turn (alternating, so that a noisy neighbour hurts all of
 them alike), and the table gives medians over runs and each median's ratio to transformers.
 PP: a prompt of `--pp` tokens of plain English (GPL-3), prefilled from an empty cache.
 TG: `--tg` tokens at batch 1 after a short chat prompt, greedy, end of text ignored; timed from the
 first generated token to the last, so prefill is not in it.
+
+With `--spec-type`, each dtype runs once without and once with the drafter, and the table adds what
+bounds the speedup: the mean acceptance length L (tokens per verify step), the verify cost (a
+verify step's target forward over a plain decode step) and the draft cost (drafting per step over a
+plain decode step); speedup <= L / (verify + draft). `--heldout N` takes the TG prompts from the
+held-out topics of the MTP draft's training prompts (run i uses prompt i mod N).
 """
 from __future__ import annotations
 
@@ -21,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from engine.drafter import SPEC_TYPES, SpecConfig
 from engine.quant import DTYPES
 
 TEXT = Path("/usr/share/common-licenses/GPL-3")
@@ -29,9 +38,12 @@ CHAT = "Write a short story about a lighthouse keeper who finds a message in a b
 
 @dataclass
 class Result:
-    system: str  # "tandem f32", "transformers f32", ...
+    system: str  # "tandem f32", "tandem f32 + draft-mtp", "transformers f32", ...
     pp: list[float] = field(default_factory=list)  # tokens/s, one per run
     tg: list[float] = field(default_factory=list)
+    step_ms: list[float] = field(default_factory=list)  # tandem: mean decode step, per run
+    draft_ms: list[float] = field(default_factory=list)  # of which drafting
+    accept_length: list[float] = field(default_factory=list)  # tokens per decode step
 
     @property
     def pp_median(self) -> float:
@@ -52,10 +64,20 @@ def prompt_tokens(tokenizer, n: int) -> list[int]:
 
 
 class TandemSystem:
-    def __init__(self, model: str, dtype: str, ctx: int):
+    def __init__(self, model: str, dtype: str, ctx: int, spec=None):
         from engine.engine import Engine, EngineConfig
-        self.name = f"tandem {dtype}"
-        self.engine = Engine.load(EngineConfig(model=model, dtype=dtype, ctx_size=ctx, parallel=1))
+        self.name = f"tandem {dtype}" + (f" + {spec.type}" if spec else "")
+        self.engine = Engine.load(EngineConfig(model=model, dtype=dtype, ctx_size=ctx, parallel=1, spec=spec))
+        self.draft_s = 0.0
+        self.last = (0.0, 0.0, 0.0)  # the last TG run's (step ms, draft ms per step, tokens per step)
+        if self.engine.drafter is not None:
+            draft = self.engine.drafter.draft
+
+            def timed(*args):
+                t0 = time.perf_counter()
+                draft(*args)
+                self.draft_s += time.perf_counter() - t0
+            self.engine.drafter.draft = timed
 
     def pp(self, ids: list[int]) -> float:
         from engine.sampling import SamplingParams
@@ -66,9 +88,16 @@ class TandemSystem:
     def tg(self, ids: list[int], n: int) -> float:
         from engine.sampling import SamplingParams
         params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
-        stamps = [time.perf_counter() for out in self.engine.generate(ids, params, cache_prompt=False)
-                  for _ in out.token_ids]
-        return (len(stamps) - 1) / (stamps[-1] - stamps[0])
+        stamps, steps, drafted = [], [], []
+        for out in self.engine.generate(ids, params, cache_prompt=False):
+            stamps += [time.perf_counter()] * len(out.token_ids)
+            steps.append(self.engine.stats.steps)
+            drafted.append(self.draft_s)
+        # From the first token (out of the prefill step) to the last: decode steps only.
+        elapsed, decode_steps = stamps[-1] - stamps[0], steps[-1] - steps[0]
+        self.last = (1000 * elapsed / decode_steps, 1000 * (drafted[-1] - drafted[0]) / decode_steps,
+                     (len(stamps) - 1) / decode_steps)
+        return (len(stamps) - 1) / elapsed
 
 
 class TransformersSystem:
@@ -107,26 +136,48 @@ class TransformersSystem:
         return (len(stamps) - 1) / (stamps[-1] - stamps[0])
 
 
-def run(systems, pp_ids: list[int], tg_ids: list[int], tg_n: int, runs: int, log=print) -> list[Result]:
+def run(systems, pp_ids: list[int], tg_prompts: list[list[int]], tg_n: int, runs: int, log=print) -> list[Result]:
     results = [Result(s.name) for s in systems]
-    for s in systems:  # warm-up: compilation, allocator, caches
+    for s in systems:  # warm-up: allocator, caches, the kernels' first calls
         s.pp(pp_ids[:64])
-        s.tg(tg_ids, 8)
+        s.tg(tg_prompts[0], 8)
     for i in range(runs):
         for s, r in zip(systems, results):
             r.pp.append(s.pp(pp_ids))
-            r.tg.append(s.tg(tg_ids, tg_n))
-            log(f"run {i + 1}/{runs} {s.name:18s} PP {r.pp[-1]:7.1f}  TG {r.tg[-1]:6.1f} tok/s")
+            r.tg.append(s.tg(tg_prompts[i % len(tg_prompts)], tg_n))
+            line = f"run {i + 1}/{runs} {s.name:26s} PP {r.pp[-1]:7.1f}  TG {r.tg[-1]:6.1f} tok/s"
+            if isinstance(s, TandemSystem):
+                step, draft, length = s.last
+                r.step_ms.append(step), r.draft_ms.append(draft), r.accept_length.append(length)
+                line += f"  step {step:5.1f} ms (draft {draft:4.1f})  {length:4.2f} tokens/step"
+            log(line)
     return results
 
 
 def table(results: list[Result], reference: str | None) -> str:
     ref = next((r for r in results if r.system == reference), None)
-    lines = [f"{'system':18s} {'PP tok/s':>9s} {'ratio':>6s} {'TG tok/s':>9s} {'ratio':>6s}"]
+    lines = [f"{'system':26s} {'PP tok/s':>9s} {'ratio':>6s} {'TG tok/s':>9s} {'ratio':>6s}"]
     for r in results:
         pp_ratio = f"{r.pp_median / ref.pp_median:5.2f}x" if ref else ""
         tg_ratio = f"{r.tg_median / ref.tg_median:5.2f}x" if ref else ""
-        lines.append(f"{r.system:18s} {r.pp_median:9.1f} {pp_ratio:>6s} {r.tg_median:9.1f} {tg_ratio:>6s}")
+        lines.append(f"{r.system:26s} {r.pp_median:9.1f} {pp_ratio:>6s} {r.tg_median:9.1f} {tg_ratio:>6s}")
+    return "\n".join(lines)
+
+
+def speculation_table(results: list[Result]) -> str:
+    """Each drafted system against its plain twin: TG ratio and what bounds it."""
+    plain = {r.system: r for r in results}
+    lines = [f"{'system':26s} {'TG ratio':>8s} {'L':>5s} {'verify':>7s} {'draft':>6s} {'L/(v+d)':>8s}"]
+    for r in results:
+        base = plain.get(r.system.split(" + ")[0])
+        if " + " not in r.system or base is None:
+            continue
+        plain_step = statistics.median(base.step_ms)
+        length = statistics.median(r.accept_length)
+        draft = statistics.median(r.draft_ms) / plain_step
+        verify = (statistics.median(r.step_ms) - statistics.median(r.draft_ms)) / plain_step
+        lines.append(f"{r.system:26s} {r.tg_median / base.tg_median:7.2f}x {length:5.2f} {verify:7.2f} "
+                     f"{draft:6.2f} {length / (verify + draft):7.2f}x")
     return "\n".join(lines)
 
 
@@ -140,21 +191,36 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tg", type=int, default=128, help="generated tokens for TG")
     p.add_argument("-t", "--threads", type=int, help="torch threads (default: torch's choice)")
     p.add_argument("--no-transformers", action="store_true", help="skip the reference")
+    p.add_argument("--spec-type", choices=SPEC_TYPES, help="also run each dtype with this drafter")
+    p.add_argument("-md", "--spec-draft-model", help="the draft's file (draft-mtp, draft-simple)")
+    p.add_argument("--spec-draft-n-max", type=int, default=3)
+    p.add_argument("--spec-draft-p-min", type=float, default=0.5)
+    p.add_argument("--heldout", type=int, help="TG prompts: this many held-out MTP training prompts")
     p.add_argument("--json", type=Path, help="also write the per-run figures here")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     ctx = args.pp + args.tg + 256
-    systems = [TandemSystem(args.model, d, ctx) for d in args.dtypes]
+    spec = None
+    if args.spec_type:
+        spec = SpecConfig(type=SPEC_TYPES[args.spec_type], draft_model=args.spec_draft_model, n_max=args.spec_draft_n_max,
+                          p_min=args.spec_draft_p_min)
+    systems = [TandemSystem(args.model, d, ctx, s) for d in args.dtypes for s in ([None, spec] if spec else [None])]
     if not args.no_transformers:
         systems.append(TransformersSystem(args.model))
     tok = systems[0].engine.tokenizer
     pp_ids = prompt_tokens(tok, args.pp)
-    tg_ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": CHAT}]))
+    if args.heldout:
+        from engine.train_mtp import chat_prompts
+        tg_prompts = chat_prompts(tok, 0, args.heldout, seed=0)[1]
+    else:
+        tg_prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": CHAT}]))]
     print(f"model {args.model}, PP {args.pp} tokens, TG {args.tg} tokens at batch 1, "
           f"{torch.get_num_threads()} threads, {args.runs} runs", flush=True)
-    results = run(systems, pp_ids, tg_ids, args.tg, args.runs, log=lambda s: print(s, flush=True))
+    results = run(systems, pp_ids, tg_prompts, args.tg, args.runs, log=lambda s: print(s, flush=True))
     print("\nmedians:\n" + table(results, None if args.no_transformers else "transformers f32"))
+    if spec:
+        print("\nspeculation (medians; verify and draft costs in plain decode steps):\n" + speculation_table(results))
     if args.json:
         args.json.write_text(json.dumps([asdict(r) for r in results], indent=1))
     return 0

@@ -2,6 +2,8 @@
 and after a rejected draft the cache holds exactly the accepted tokens."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -20,12 +22,32 @@ PROMPTS = [
     "Explain photosynthesis in two sentences, for a ten-year-old who loves plants and gardens.",
 ]
 GREEDY = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True)
+MTP_DRAFT = Path(__file__).parents[2] / "configs/drafts/smollm2-135m-mtp.safetensors"
 
 
 @pytest.fixture(scope="module")
 def ngram_engine():
     spec = SpecConfig(type="ngram-simple", n_max=3, p_min=0.0, ngram_n=2)
     return Engine.load(EngineConfig(model="default", ctx_size=2 * 1024, parallel=2, spec=spec))
+
+
+@pytest.fixture(scope="module")
+def mtp_engine():
+    spec = SpecConfig(type="draft-mtp", draft_model=str(MTP_DRAFT), n_max=3, p_min=0.0)
+    return Engine.load(EngineConfig(model="default", ctx_size=2 * 1024, parallel=2, spec=spec))
+
+
+@pytest.fixture(scope="module")
+def plain_greedy(default_engine):
+    """Each prompt's greedy answer without speculation, computed once for every drafter's test."""
+    answers = {}
+
+    def answer(prompt: str) -> tuple[list[int], list[int]]:
+        if prompt not in answers:
+            ids = chat_ids(default_engine, prompt)
+            answers[prompt] = ids, run_alone(default_engine, ids, GREEDY)
+        return answers[prompt]
+    return answer
 
 
 @pytest.fixture(scope="module")
@@ -37,10 +59,10 @@ def reference_logits(hf_default_model):
 
 
 @pytest.mark.parametrize("prompt", PROMPTS)
-def test_ngram_greedy_equals_plain_greedy(default_engine, ngram_engine, reference_logits, prompt):
-    ids = chat_ids(default_engine, prompt)
-    plain = run_alone(default_engine, ids, GREEDY)
-    steps = list(ngram_engine.generate(ids, GREEDY, cache_prompt=False))
+@pytest.mark.parametrize("drafter", ["ngram_engine", "mtp_engine"])
+def test_speculative_greedy_equals_plain_greedy(request, plain_greedy, reference_logits, drafter, prompt):
+    ids, plain = plain_greedy(prompt)
+    steps = list(request.getfixturevalue(drafter).generate(ids, GREEDY, cache_prompt=False))
     speculative = [t for s in steps for t in s.token_ids]
     assert len(speculative) == len(plain) == 128
     assert_same_greedy(speculative, plain, ids, reference_logits)
