@@ -101,16 +101,19 @@ class TandemSystem:
 
 
 class TransformersSystem:
-    """transformers' own load of the same file, in fp32: the reference implementation."""
+    """transformers' own load of the same file, in fp32: the reference implementation. `hf` shares an
+    already loaded model; `generate_kwargs` selects a decoding variant (e.g. prompt lookup)."""
 
-    def __init__(self, model: str):
-        from transformers import AutoModelForCausalLM
-        from engine.weights import open_model
-        self.name = "transformers f32"
-        path = open_model(model).path
-        kwargs = {"gguf_file": path.name} if path.suffix == ".gguf" else {}
-        root = path.parent if path.suffix == ".gguf" else path
-        self.model = AutoModelForCausalLM.from_pretrained(str(root), dtype=torch.float32, **kwargs).eval()
+    def __init__(self, model: str, name: str = "transformers f32", hf=None, **generate_kwargs):
+        self.name, self.generate_kwargs = name, generate_kwargs
+        if hf is None:
+            from transformers import AutoModelForCausalLM
+            from engine.weights import open_model
+            path = open_model(model).path
+            kwargs = {"gguf_file": path.name} if path.suffix == ".gguf" else {}
+            root = path.parent if path.suffix == ".gguf" else path
+            hf = AutoModelForCausalLM.from_pretrained(str(root), dtype=torch.float32, **kwargs).eval()
+        self.model = hf
 
     @torch.inference_mode()
     def pp(self, ids: list[int]) -> float:
@@ -123,28 +126,36 @@ class TransformersSystem:
     def tg(self, ids: list[int], n: int) -> float:
         stamps = []
 
-        class Stamps:  # transformers' streamer protocol: put() once for the prompt, then per token
+        class Stamps:  # transformers' streamer protocol: put() with the prompt, then the new tokens
             def put(self, value):
-                stamps.append(time.perf_counter())
+                stamps.extend([time.perf_counter()] * value.numel())
 
             def end(self):
                 pass
 
         self.model.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                            streamer=Stamps(), pad_token_id=self.model.config.eos_token_id)
-        stamps = stamps[1:]
+                            streamer=Stamps(), pad_token_id=self.model.config.eos_token_id, **self.generate_kwargs)
+        stamps = stamps[len(ids):]
         return (len(stamps) - 1) / (stamps[-1] - stamps[0])
 
 
-def run(systems, pp_ids: list[int], tg_prompts: list[list[int]], tg_n: int, runs: int, log=print) -> list[Result]:
+def tg_prompts(tokenizer, heldout: int | None) -> list[list[int]]:
+    """The TG prompts: `heldout` held-out MTP training prompts, or one fixed chat prompt."""
+    if heldout:
+        from engine.train_mtp import chat_prompts
+        return chat_prompts(tokenizer, 0, heldout, seed=0)[1]
+    return [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": CHAT}]))]
+
+
+def run(systems, pp_ids: list[int], prompts: list[list[int]], tg_n: int, runs: int, log=print) -> list[Result]:
     results = [Result(s.name) for s in systems]
     for s in systems:  # warm-up: allocator, caches, the kernels' first calls
         s.pp(pp_ids[:64])
-        s.tg(tg_prompts[0], 8)
+        s.tg(prompts[0], 8)
     for i in range(runs):
         for s, r in zip(systems, results):
             r.pp.append(s.pp(pp_ids))
-            r.tg.append(s.tg(tg_prompts[i % len(tg_prompts)], tg_n))
+            r.tg.append(s.tg(prompts[i % len(prompts)], tg_n))
             line = f"run {i + 1}/{runs} {s.name:26s} PP {r.pp[-1]:7.1f}  TG {r.tg[-1]:6.1f} tok/s"
             if isinstance(s, TandemSystem):
                 step, draft, length = s.last
@@ -210,14 +221,9 @@ def main(argv: list[str] | None = None) -> int:
         systems.append(TransformersSystem(args.model))
     tok = systems[0].engine.tokenizer
     pp_ids = prompt_tokens(tok, args.pp)
-    if args.heldout:
-        from engine.train_mtp import chat_prompts
-        tg_prompts = chat_prompts(tok, 0, args.heldout, seed=0)[1]
-    else:
-        tg_prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": CHAT}]))]
     print(f"model {args.model}, PP {args.pp} tokens, TG {args.tg} tokens at batch 1, "
           f"{torch.get_num_threads()} threads, {args.runs} runs", flush=True)
-    results = run(systems, pp_ids, tg_prompts, args.tg, args.runs, log=lambda s: print(s, flush=True))
+    results = run(systems, pp_ids, tg_prompts(tok, args.heldout), args.tg, args.runs, log=lambda s: print(s, flush=True))
     print("\nmedians:\n" + table(results, None if args.no_transformers else "transformers f32"))
     if spec:
         print("\nspeculation (medians; verify and draft costs in plain decode steps):\n" + speculation_table(results))

@@ -1,0 +1,136 @@
+"""`python -m bench.compare`: tandem side by side with transformers and llama.cpp on the same model,
+in one process, runs alternating between systems (A B C A B C ...), medians and ratios.
+
+    python -m bench.compare [-m default] [--dtype f32] [--runs 5] [--pp 512] [--tg 128] [--heldout 5]
+
+Systems: tandem without speculation, with the MTP draft (-md; the committed draft for the default
+model), with ngram; transformers' generate() in fp32 on the same weights, plain and with prompt
+lookup; llama.cpp through llama-cpp-python on the same GGUF file, when that package is installed
+(`pip install llama-cpp-python`: it compiles llama.cpp, which takes minutes). The workload and the
+timing are engine.bench's. It also measures the machine's memory bandwidth and prints the TG ceiling
+it allows at batch 1, where every weight is read once per token.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from engine.bench import Result, TandemSystem, TransformersSystem, prompt_tokens, run, tg_prompts
+from engine.config import num_param_bytes
+from engine.drafter import SpecConfig
+from engine.quant import BYTES_PER_WEIGHT, DTYPES
+from engine.weights import open_model
+
+DEFAULT_DRAFT = Path(__file__).parents[1] / "configs/drafts/smollm2-135m-mtp.safetensors"
+TRANSFORMERS, LLAMA_CPP = "transformers f32", "llama.cpp"
+
+
+class LlamaCppSystem:
+    """llama.cpp on the same GGUF file, greedy, driven token by token like the others."""
+
+    def __init__(self, gguf: Path, ctx: int, threads: int):
+        from llama_cpp import Llama
+        self.name = LLAMA_CPP
+        self.llm = Llama(model_path=str(gguf), n_ctx=ctx, n_threads=threads, n_threads_batch=threads, n_batch=512,
+                         verbose=False)
+
+    def pp(self, ids: list[int]) -> float:
+        self.llm.reset()
+        t0 = time.perf_counter()
+        self.llm.eval(ids)
+        return len(ids) / (time.perf_counter() - t0)
+
+    def tg(self, ids: list[int], n: int) -> float:
+        self.llm.reset()
+        self.llm.eval(ids)
+        stamps = []
+        for _ in range(n):
+            token = int(self.llm.scores[self.llm.n_tokens - 1].argmax())
+            stamps.append(time.perf_counter())
+            self.llm.eval([token])
+        return (len(stamps) - 1) / (stamps[-1] - stamps[0])
+
+
+def memory_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
+    """Bytes/s of a large tensor copy (read + write), best of `repeats`, with torch's threads."""
+    src = torch.ones(int(gib * 2**30) // 4)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * src.numel() * 4 / best
+
+
+def table(results: list[Result]) -> str:
+    refs = {r.system: r for r in results if r.system in (TRANSFORMERS, LLAMA_CPP)}
+
+    def ratios(value: float, attr: str) -> str:
+        return " ".join(f"{value / getattr(refs[k], attr):6.2f}x" if k in refs else f"{'-':>7s}"
+                        for k in (TRANSFORMERS, LLAMA_CPP))
+    lines = [f"{'system':32s} {'PP tok/s':>9s} {'/hf':>7s} {'/llama':>7s} {'TG tok/s':>9s} {'/hf':>7s} {'/llama':>7s}"]
+    for r in results:
+        lines.append(f"{r.system:32s} {r.pp_median:9.1f} {ratios(r.pp_median, 'pp_median')} "
+                     f"{r.tg_median:9.1f} {ratios(r.tg_median, 'tg_median')}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.compare", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("-m", "--model", default="default")
+    p.add_argument("--dtype", choices=DTYPES, default="f32", help="tandem's weight format")
+    p.add_argument("-md", "--spec-draft-model", help="MTP draft (default: the committed draft, for the default model)")
+    p.add_argument("--spec-draft-n-max", type=int, default=3)
+    p.add_argument("--runs", type=int, default=5)
+    p.add_argument("--pp", type=int, default=512, help="prompt tokens for PP")
+    p.add_argument("--tg", type=int, default=128, help="generated tokens for TG")
+    p.add_argument("--heldout", type=int, default=5, help="TG prompts: held-out MTP training prompts (0: one chat prompt)")
+    p.add_argument("-t", "--threads", type=int, default=torch.get_num_threads())
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    files = open_model(args.model)
+    draft = args.spec_draft_model or (str(DEFAULT_DRAFT) if args.model == "default" else None)
+    ctx = args.pp + args.tg + 256
+    systems = [TandemSystem(args.model, args.dtype, ctx)]
+    if draft:
+        systems.append(TandemSystem(args.model, args.dtype, ctx,
+                                    SpecConfig(type="draft-mtp", draft_model=draft, n_max=args.spec_draft_n_max, p_min=0.0)))
+    systems.append(TandemSystem(args.model, args.dtype, ctx, SpecConfig(type="ngram-simple", n_max=args.spec_draft_n_max,
+                                                                       p_min=0.0)))
+    hf = TransformersSystem(args.model)
+    systems += [hf, TransformersSystem(args.model, f"{TRANSFORMERS} + prompt lookup", hf.model,
+                                       prompt_lookup_num_tokens=args.spec_draft_n_max)]
+    if files.path.suffix != ".gguf":
+        print("llama.cpp: skipped (the model is not a GGUF file)")
+    elif importlib.util.find_spec("llama_cpp") is None:
+        print("llama.cpp: skipped (install it with `pip install llama-cpp-python`; it compiles for minutes)")
+    else:
+        systems.append(LlamaCppSystem(files.path, ctx, args.threads))
+    tok = systems[0].engine.tokenizer
+    bandwidth = memory_bandwidth()
+    print(f"model {args.model} ({files.path.name}), tandem {args.dtype}, PP {args.pp} tokens, TG {args.tg} tokens "
+          f"at batch 1, greedy, {args.threads} threads, {args.runs} runs", flush=True)
+    results = run(systems, prompt_tokens(tok, args.pp), tg_prompts(tok, args.heldout), args.tg, args.runs,
+                  log=lambda line: print(line, flush=True))
+    print("\nmedians:\n" + table(results))
+    print(f"\nmemory bandwidth (1 GiB copy, {args.threads} threads): {bandwidth / 1e9:.1f} GB/s")
+    for dtype in DTYPES:
+        nbytes = num_param_bytes(files.config, BYTES_PER_WEIGHT[dtype])
+        print(f"TG ceiling at batch 1, {dtype} weights ({nbytes / 1e6:.0f} MB per token): "
+              f"{bandwidth / nbytes:.1f} tok/s")
+    lengths = {r.system: statistics.median(r.accept_length) for r in results if r.accept_length and " + " in r.system}
+    for name, length in lengths.items():
+        print(f"{name}: {length:.2f} tokens per verify step (median over runs)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
