@@ -2,6 +2,7 @@
 in one process, runs alternating between systems (A B C A B C ...), medians and ratios.
 
     python -m bench.compare [-m default] [--dtype f32] [--runs 5] [--pp 512] [--tg 128] [--heldout 5]
+                            [--spec-draft-n-max 3] [--spec-draft-p-min 0.5]
 
 Systems: tandem without speculation, with the MTP draft (-md; the committed draft for the default
 model), with ngram; transformers' generate() in fp32 on the same weights, plain and with prompt
@@ -32,7 +33,7 @@ TRANSFORMERS, LLAMA_CPP = "transformers f32", "llama.cpp"
 
 
 class LlamaCppSystem:
-    """llama.cpp on the same GGUF file, greedy, driven token by token like the others."""
+    """llama.cpp on the same GGUF file, greedy; end of text is not a stop, as for the others."""
 
     def __init__(self, gguf: Path, ctx: int, threads: int):
         from llama_cpp import Llama
@@ -48,12 +49,11 @@ class LlamaCppSystem:
 
     def tg(self, ids: list[int], n: int) -> float:
         self.llm.reset()
-        self.llm.eval(ids)
         stamps = []
-        for _ in range(n):
-            token = int(self.llm.scores[self.llm.n_tokens - 1].argmax())
+        for _ in self.llm.generate(ids, temp=0.0, top_k=1, top_p=1.0, min_p=0.0, reset=False):  # greedy
             stamps.append(time.perf_counter())
-            self.llm.eval([token])
+            if len(stamps) == n:
+                break
         return (len(stamps) - 1) / (stamps[-1] - stamps[0])
 
 
@@ -89,6 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", choices=DTYPES, default="f32", help="tandem's weight format")
     p.add_argument("-md", "--spec-draft-model", help="MTP draft (default: the committed draft, for the default model)")
     p.add_argument("--spec-draft-n-max", type=int, default=3)
+    p.add_argument("--spec-draft-p-min", type=float, default=0.5, help="the MTP draft's confidence floor")
     p.add_argument("--runs", type=int, default=5)
     p.add_argument("--pp", type=int, default=512, help="prompt tokens for PP")
     p.add_argument("--tg", type=int, default=128, help="generated tokens for TG")
@@ -102,7 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     systems = [TandemSystem(args.model, args.dtype, ctx)]
     if draft:
         systems.append(TandemSystem(args.model, args.dtype, ctx,
-                                    SpecConfig(type="draft-mtp", draft_model=draft, n_max=args.spec_draft_n_max, p_min=0.0)))
+                                    SpecConfig(type="draft-mtp", draft_model=draft, n_max=args.spec_draft_n_max,
+                                               p_min=args.spec_draft_p_min)))
     systems.append(TandemSystem(args.model, args.dtype, ctx, SpecConfig(type="ngram-simple", n_max=args.spec_draft_n_max,
                                                                        p_min=0.0)))
     hf = TransformersSystem(args.model)
