@@ -21,8 +21,9 @@ async def served_models(http: httpx.AsyncClient) -> list[str] | None:
     return [m["id"] for m in _json(response, "/v1/models").get("data", [])]
 
 
-async def tokenize(http: httpx.AsyncClient, text: str) -> list[int]:
-    body = TokenizeRequest(content=text, add_special=False).model_dump()
+async def tokenize(http: httpx.AsyncClient, text: str, model: str) -> list[int]:
+    # `model` routes the call through a proxy that serves several; a server ignores it.
+    body = {**TokenizeRequest(content=text, add_special=False).model_dump(), "model": model}
     response = await _preflight(http, "POST", "/tokenize", json=body)
     return _json(response, "/tokenize")["tokens"]
 

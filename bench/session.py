@@ -51,7 +51,7 @@ class Session:
         models = await served_models(self._http)
         if models is not None and self.model not in models:
             raise FixtureError(f"model {self.model!r}: {self.url} serves {', '.join(models) or 'nothing'}")
-        self._prompts = await build_prompts(lambda text: tokenize(self._http, text), self.workload, self.nonce)
+        self._prompts = await build_prompts(lambda text: tokenize(self._http, text, self.model), self.workload, self.nonce)
         ids = self._prompts.warmup
         body = completion_body(self.model, ids, min(WARMUP_GEN_TOKENS, self.workload.gen_tokens), self.workload)
         warm = await stream_completion(self._http, body, lane=0, run=-1, t0=time.perf_counter())

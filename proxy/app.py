@@ -24,7 +24,7 @@ from proxy.forward import send_error
 from proxy.jobs import JobRequest, JobStatus, JobStore
 from proxy.logbus import BusHandler, LogBus
 from proxy.metrics import ProxyMetrics
-from proxy.passthrough import COMPLETION_PATHS, Completions, Upstream
+from proxy.passthrough import MODEL_PATHS, Completions, Upstream
 from proxy.scheduler import Scheduler
 from proxy.supervisor import Supervisor
 from proxy.upstream import UpstreamClient
@@ -61,7 +61,7 @@ class Front:
 
     def __init__(self, api: FastAPI, key: str | None):
         self.api, self.expected = api, f"Bearer {key}".encode() if key else None
-        self.relays = {("POST", path): Completions(path) for path in COMPLETION_PATHS}
+        self.relays = {("POST", path): Completions(path) for path in MODEL_PATHS}
 
     @property
     def state(self):

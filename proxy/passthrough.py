@@ -1,5 +1,7 @@
-"""The routes that relay to servers: completions (a slot per request, queued when all are busy)
-and /upstream/{model}/{path} (straight to a replica, no slot: for /props, /slots, /metrics)."""
+"""The routes that relay to servers: those whose body names the model (completions, and the
+tokenizer endpoints a client needs to build exact prompts: a slot per request, queued when all are
+busy, loading the model when it autoloads) and /upstream/{model}/{path} (straight to a replica, no
+slot: for /props, /slots, /metrics)."""
 from __future__ import annotations
 
 import asyncio
@@ -12,6 +14,7 @@ from server.protocol import APIError
 
 BODY_LIMIT = 32 * 2**20
 COMPLETION_PATHS = ("/v1/chat/completions", "/v1/completions")
+MODEL_PATHS = COMPLETION_PATHS + ("/tokenize", "/detokenize", "/apply-template")
 
 
 def model_of(body: bytes) -> tuple[str | None, str | None]:
@@ -27,7 +30,7 @@ def model_of(body: bytes) -> tuple[str | None, str | None]:
 
 
 class Completions:
-    """Raw ASGI endpoint for one completions path; the running Proxy is the app's `state.proxy`."""
+    """Raw ASGI endpoint for one path of MODEL_PATHS; the running Proxy is the app's `state.proxy`."""
 
     def __init__(self, path: str):
         self.path = path

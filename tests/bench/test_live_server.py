@@ -94,7 +94,7 @@ def test_a_prompt_sharing_a_cached_prefix_gives_an_invalid_record(tiny_server, c
 
     async def twice():
         async with httpx.AsyncClient(base_url=tiny_server.url, timeout=60) as http:
-            ids = (await tokenize(http, "Shared prefix, then something else entirely. " * 3))[:40]
+            ids = (await tokenize(http, "Shared prefix, then something else entirely. " * 3, "tiny"))[:40]
             first = await stream_completion(http, completion_body("tiny", ids, 8, workload), 0, 0, time.perf_counter())
             again = ids + list(b"12345678")
             return first, await stream_completion(http, completion_body("tiny", again, 8, workload), 0, 1,

@@ -56,6 +56,18 @@ def test_streaming_chat_through_the_proxy_equals_the_servers_own_answer(proxy):
     assert 'tandem_proxy_predicted_tokens_total{model="tiny"}' in metrics
 
 
+def test_tokenizer_endpoints_route_by_the_model_in_the_body(proxy):
+    """A benchmark client builds exact prompts with /tokenize, so it must reach the model's server."""
+    direct = httpx.post(f"http://127.0.0.1:{proxy.replicas('tiny')[0]['port']}/tokenize",
+                        json={"content": "Hello there, tides."}, timeout=30).json()
+    relayed = proxy.client.post("/tokenize", json={"content": "Hello there, tides.", "model": "tiny"})
+    assert relayed.status_code == 200 and relayed.json() == direct and direct["tokens"]
+    back = proxy.client.post("/detokenize", json={"tokens": direct["tokens"], "model": "tiny"})
+    assert back.status_code == 200 and "tides" in back.json()["content"]
+    missing = proxy.client.post("/tokenize", json={"content": "Hello"})
+    assert missing.status_code == 400 and "model: required" in missing.json()["error"]["message"]
+
+
 def test_unknown_and_unloaded_models_are_refused_in_openai_shape(proxy):
     r = proxy.client.post("/v1/chat/completions", json={**CHAT, "model": "nope"})
     assert r.status_code == 404 and "never, spare, tiny" in r.json()["error"]["message"]
