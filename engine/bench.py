@@ -139,12 +139,12 @@ class TransformersSystem:
         return (len(stamps) - 1) / (stamps[-1] - stamps[0])
 
 
-def tg_prompts(tokenizer, heldout: int | None) -> list[list[int]]:
-    """The TG prompts: `heldout` held-out MTP training prompts, or one fixed chat prompt."""
+def tg_prompts(tokenizer, heldout: int | None, message: str = CHAT) -> list[list[int]]:
+    """The TG prompts: `heldout` held-out MTP training prompts, or one chat message."""
     if heldout:
         from engine.train_mtp import chat_prompts
         return chat_prompts(tokenizer, 0, heldout, seed=0)[1]
-    return [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": CHAT}]))]
+    return [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": message}]))]
 
 
 def run(systems, pp_ids: list[int], prompts: list[list[int]], tg_n: int, runs: int, log=print) -> list[Result]:
@@ -207,6 +207,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--spec-draft-n-max", type=int, default=3)
     p.add_argument("--spec-draft-p-min", type=float, default=0.5)
     p.add_argument("--heldout", type=int, help="TG prompts: this many held-out MTP training prompts")
+    p.add_argument("--message", default=CHAT, help="the TG prompt's user message (without --heldout); "
+                   "@FILE reads it from FILE")
     p.add_argument("--json", type=Path, help="also write the per-run figures here")
     args = p.parse_args(argv)
     if args.threads:
@@ -223,7 +225,9 @@ def main(argv: list[str] | None = None) -> int:
     pp_ids = prompt_tokens(tok, args.pp)
     print(f"model {args.model}, PP {args.pp} tokens, TG {args.tg} tokens at batch 1, "
           f"{torch.get_num_threads()} threads, {args.runs} runs", flush=True)
-    results = run(systems, pp_ids, tg_prompts(tok, args.heldout), args.tg, args.runs, log=lambda s: print(s, flush=True))
+    message = Path(args.message[1:]).read_text() if args.message.startswith("@") else args.message
+    results = run(systems, pp_ids, tg_prompts(tok, args.heldout, message), args.tg, args.runs,
+                  log=lambda line: print(line, flush=True))
     print("\nmedians:\n" + table(results, None if args.no_transformers else "transformers f32"))
     if spec:
         print("\nspeculation (medians; verify and draft costs in plain decode steps):\n" + speculation_table(results))
