@@ -22,6 +22,7 @@ from engine.errors import ConfigError
 from engine.kv_cache import KVCache
 from engine.model import Transformer
 from engine.ngram import ngram_draft
+from engine.quant import compute_dtype
 from engine.request import Request
 from engine.sampling import distribution
 from engine.weights import open_model
@@ -225,10 +226,11 @@ def load_drafter(spec: SpecConfig, target_model, target_tensors: dict, dtype: st
         fingerprint = mtp.target_fingerprint(config, target_tensors["model.embed_tokens.weight"])
         mtp.check_compatible(header, spec.draft_model, config, fingerprint)
         draft = mtp.MTPDraft(config, mtp.load_tensors(spec.draft_model), header.num_layers, dtype, ctx_per_slot)
-        cache = KVCache(header.num_layers, slots, ctx_per_slot, config.num_kv_heads, config.head_dim)
+        cache = KVCache(header.num_layers, slots, ctx_per_slot, config.num_kv_heads, config.head_dim,
+                        compute_dtype(dtype))
         return MTPDrafter(spec, draft, target_model, cache, config.vocab_size)
     files = open_model(spec.draft_model)
     c = files.config
     model = Transformer(c, files.load_tensors(), dtype, max_positions=max(ctx_per_slot, c.max_position_embeddings))
-    cache = KVCache(c.num_layers, slots, ctx_per_slot, c.num_kv_heads, c.head_dim)
+    cache = KVCache(c.num_layers, slots, ctx_per_slot, c.num_kv_heads, c.head_dim, compute_dtype(dtype))
     return DraftModelDrafter(spec, model, cache, config.vocab_size)

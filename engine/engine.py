@@ -38,7 +38,7 @@ class EngineConfig:
     parallel: int = 1
     batch_size: int = 2048
     ubatch_size: int = 512
-    cache_type: str = "f32"  # K (and V unless cache_type_v says otherwise)
+    cache_type: str | None = None  # K (and V unless cache_type_v says otherwise); None: the compute dtype
     cache_type_v: str | None = None
     kv_unified: bool = False
     threads: int | None = None
@@ -48,7 +48,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         rules = [
             (self.dtype in DTYPES, "dtype", f"must be one of {', '.join(DTYPES)}"),
-            (self.cache_type in KV_DTYPES, "cache_type", f"must be one of {', '.join(KV_DTYPES)}"),
+            (self.cache_type is None or self.cache_type in KV_DTYPES, "cache_type",
+             f"must be one of {', '.join(KV_DTYPES)}"),
             (self.cache_type_v is None or self.cache_type_v in KV_DTYPES, "cache_type_v",
              f"must be one of {', '.join(KV_DTYPES)}"),
             (not self.kv_unified or self.ctx_size >= PagedKVCache.PAGE_SIZE, "ctx_size",
@@ -69,6 +70,13 @@ class EngineConfig:
         if self.kv_unified:
             return self.ctx_size // PagedKVCache.PAGE_SIZE * PagedKVCache.PAGE_SIZE
         return self.ctx_size // self.parallel
+
+    @property
+    def kv_types(self) -> tuple[str, str]:
+        """(K, V) cache types. By default the cache holds what attention computes in, so no step
+        converts a slot's whole prefix: f32, or bf16 with bf16 weights."""
+        k = self.cache_type or ("bf16" if self.dtype == "bf16" else "f32")
+        return k, self.cache_type_v or k
 
 
 @dataclass
@@ -141,7 +149,7 @@ class Engine:
             drafter = load_drafter(config.spec, model, tensors, config.dtype, config.parallel, config.ctx_per_slot)
         del tensors
         log.info("loaded %s (%s, %s) in %.1f s", files.path, mc.family, config.dtype, time.perf_counter() - t0)
-        kv_dtypes = KV_DTYPES[config.cache_type], KV_DTYPES[config.cache_type_v or config.cache_type]
+        kv_dtypes = tuple(KV_DTYPES[t] for t in config.kv_types)
         if config.kv_unified:
             cache = PagedKVCache(mc.num_layers, config.parallel, config.ctx_size, mc.num_kv_heads, mc.head_dim,
                                  *kv_dtypes)

@@ -22,8 +22,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("-t", "--threads", type=int, help="torch threads")
     p.add_argument("--dtype", choices=DTYPES, default="f32", help="weight format")
     p.add_argument("--kv-unified", action="store_true", help="one KV pool shared by all slots")
-    p.add_argument("-ctk", "--cache-type-k", choices=list(KV_DTYPES), default="f32")
-    p.add_argument("-ctv", "--cache-type-v", choices=list(KV_DTYPES), default="f32")
+    p.add_argument("-ctk", "--cache-type-k", choices=list(KV_DTYPES),
+                   help="KV cache type for K (default: the compute type, f32 or bf16 with --dtype bf16)")
+    p.add_argument("-ctv", "--cache-type-v", choices=list(KV_DTYPES), help="for V (default: as K)")
     p.add_argument("--chat-template", help="a Jinja chat template file replacing the model's")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8080)

@@ -34,7 +34,7 @@ def reading():
 def teacher_forced(model: Transformer, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """Each position's argmax and the negative log-likelihood of the true next token, [N_TOKENS] each."""
     c = model.config
-    cache = KVCache(c.num_layers, 1, len(ids), c.num_kv_heads, c.head_dim)
+    cache = KVCache(c.num_layers, 1, len(ids), c.num_kv_heads, c.head_dim, model.compute_dtype)  # as served
     argmax, nll = [], []
     for start in range(0, len(ids) - 1, CHUNK):
         chunk = ids[start:min(start + CHUNK, len(ids) - 1)]

@@ -25,3 +25,16 @@ def test_llama_server_flags_map_onto_the_configs():
 def test_bad_flags_are_refused_naming_the_flag(argv, word):
     with pytest.raises(ConfigError, match=word):
         parse(argv)
+
+
+@pytest.mark.parametrize("argv,types", [
+    (["--dtype", "f32"], ("f32", "f32")),
+    (["--dtype", "int8"], ("f32", "f32")),  # int8 weights compute in f32
+    (["--dtype", "bf16"], ("bf16", "bf16")),
+    (["--dtype", "bf16", "-ctk", "q8_0"], ("q8_0", "q8_0")),
+    (["--dtype", "bf16", "-ctv", "f16"], ("bf16", "f16")),
+])
+def test_the_kv_cache_holds_the_compute_type_unless_told_otherwise(argv, types):
+    """Attention reads the cache in the compute type: a cache in another type is converted every step."""
+    engine, _ = parse(["-m", "x", *argv])
+    assert engine.kv_types == types
