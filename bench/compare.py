@@ -2,7 +2,7 @@
 in one process, runs alternating between systems (A B C A B C ...), medians and ratios.
 
     python -m bench.compare [-m default] [--dtype f32] [--runs 5] [--pp 512] [--tg 128] [--heldout 5]
-                            [--spec-draft-n-max 3] [--spec-draft-p-min 0.5]
+                            [--message TEXT|@FILE] [--spec-draft-n-max 3] [--spec-draft-p-min 0.5]
 
 Systems: tandem without speculation, with the MTP draft (-md; the committed draft for the default
 model), with ngram; transformers' generate() in fp32 on the same weights, plain and with prompt
@@ -22,14 +22,15 @@ from pathlib import Path
 
 import torch
 
-from engine.bench import Result, TandemSystem, TransformersSystem, prompt_tokens, run, tg_prompts
+from engine.bench import (TandemSystem, TransformersSystem, add_workload_flags, context_size, run, table,
+                          tokens_per_second, workload)
 from engine.config import num_param_bytes
 from engine.drafter import SpecConfig
 from engine.quant import BYTES_PER_WEIGHT, DTYPES
 from engine.weights import open_model
 
 DEFAULT_DRAFT = Path(__file__).parents[1] / "configs/drafts/smollm2-135m-mtp.safetensors"
-TRANSFORMERS, LLAMA_CPP = "transformers f32", "llama.cpp"
+LLAMA_CPP = "llama.cpp"
 
 
 class LlamaCppSystem:
@@ -54,7 +55,7 @@ class LlamaCppSystem:
             stamps.append(time.perf_counter())
             if len(stamps) == n:
                 break
-        return (len(stamps) - 1) / (stamps[-1] - stamps[0])
+        return tokens_per_second(stamps)
 
 
 def memory_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
@@ -69,37 +70,21 @@ def memory_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
     return 2 * src.numel() * 4 / best
 
 
-def table(results: list[Result]) -> str:
-    refs = {r.system: r for r in results if r.system in (TRANSFORMERS, LLAMA_CPP)}
-
-    def ratios(value: float, attr: str) -> str:
-        return " ".join(f"{value / getattr(refs[k], attr):6.2f}x" if k in refs else f"{'-':>7s}"
-                        for k in (TRANSFORMERS, LLAMA_CPP))
-    lines = [f"{'system':32s} {'PP tok/s':>9s} {'/hf':>7s} {'/llama':>7s} {'TG tok/s':>9s} {'/hf':>7s} {'/llama':>7s}"]
-    for r in results:
-        lines.append(f"{r.system:32s} {r.pp_median:9.1f} {ratios(r.pp_median, 'pp_median')} "
-                     f"{r.tg_median:9.1f} {ratios(r.tg_median, 'tg_median')}")
-    return "\n".join(lines)
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.compare", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("-m", "--model", default="default")
+    add_workload_flags(p, heldout=5)
     p.add_argument("--dtype", choices=DTYPES, default="f32", help="tandem's weight format")
     p.add_argument("-md", "--spec-draft-model", help="MTP draft (default: the committed draft, for the default model)")
     p.add_argument("--spec-draft-n-max", type=int, default=3)
     p.add_argument("--spec-draft-p-min", type=float, default=0.5, help="the MTP draft's confidence floor")
-    p.add_argument("--runs", type=int, default=5)
-    p.add_argument("--pp", type=int, default=512, help="prompt tokens for PP")
-    p.add_argument("--tg", type=int, default=128, help="generated tokens for TG")
-    p.add_argument("--heldout", type=int, default=5, help="TG prompts: held-out MTP training prompts (0: one chat prompt)")
-    p.add_argument("-t", "--threads", type=int, default=torch.get_num_threads())
     args = p.parse_args(argv)
-    torch.set_num_threads(args.threads)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    threads = torch.get_num_threads()
     files = open_model(args.model)
     draft = args.spec_draft_model or (str(DEFAULT_DRAFT) if args.model == "default" else None)
-    ctx = args.pp + args.tg + 256
+    ctx = context_size(args)
     systems = [TandemSystem(args.model, args.dtype, ctx)]
     if draft:
         systems.append(TandemSystem(args.model, args.dtype, ctx,
@@ -108,22 +93,21 @@ def main(argv: list[str] | None = None) -> int:
     systems.append(TandemSystem(args.model, args.dtype, ctx, SpecConfig(type="ngram-simple", n_max=args.spec_draft_n_max,
                                                                        p_min=0.0)))
     hf = TransformersSystem(args.model)
-    systems += [hf, TransformersSystem(args.model, f"{TRANSFORMERS} + prompt lookup", hf.model,
+    systems += [hf, TransformersSystem(args.model, f"{hf.name} + prompt lookup", hf.model,
                                        prompt_lookup_num_tokens=args.spec_draft_n_max)]
     if files.path.suffix != ".gguf":
         print("llama.cpp: skipped (the model is not a GGUF file)")
     elif importlib.util.find_spec("llama_cpp") is None:
         print("llama.cpp: skipped (install it with `pip install llama-cpp-python`; it compiles for minutes)")
     else:
-        systems.append(LlamaCppSystem(files.path, ctx, args.threads))
-    tok = systems[0].engine.tokenizer
+        systems.append(LlamaCppSystem(files.path, ctx, threads))
+    pp_ids, prompts = workload(args, systems[0].engine.tokenizer)
     bandwidth = memory_bandwidth()
     print(f"model {args.model} ({files.path.name}), tandem {args.dtype}, PP {args.pp} tokens, TG {args.tg} tokens "
-          f"at batch 1, greedy, {args.threads} threads, {args.runs} runs", flush=True)
-    results = run(systems, prompt_tokens(tok, args.pp), tg_prompts(tok, args.heldout), args.tg, args.runs,
-                  log=lambda line: print(line, flush=True))
-    print("\nmedians:\n" + table(results))
-    print(f"\nmemory bandwidth (1 GiB copy, {args.threads} threads): {bandwidth / 1e9:.1f} GB/s")
+          f"at batch 1, greedy, {threads} threads, {args.runs} runs", flush=True)
+    results = run(systems, pp_ids, prompts, args.tg, args.runs, log=lambda line: print(line, flush=True))
+    print("\nmedians:\n" + table(results, [TransformersSystem.NAME, LLAMA_CPP]))
+    print(f"\nmemory bandwidth (1 GiB copy, {threads} threads): {bandwidth / 1e9:.1f} GB/s")
     for dtype in DTYPES:
         nbytes = num_param_bytes(files.config, BYTES_PER_WEIGHT[dtype])
         print(f"TG ceiling at batch 1, {dtype} weights ({nbytes / 1e6:.0f} MB per token): "

@@ -30,9 +30,13 @@ from pathlib import Path
 import torch
 
 from engine.drafter import SPEC_TYPES, SpecConfig
+from engine.engine import Engine, EngineConfig
 from engine.quant import DTYPES
+from engine.sampling import SamplingParams
+from engine.weights import open_model
 
 TEXT = Path("/usr/share/common-licenses/GPL-3")
+CTX_MARGIN = 256  # positions beyond the PP prompt and the TG tokens: room for the TG chat prompts
 CHAT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 
 
@@ -65,7 +69,6 @@ def prompt_tokens(tokenizer, n: int) -> list[int]:
 
 class TandemSystem:
     def __init__(self, model: str, dtype: str, ctx: int, spec=None):
-        from engine.engine import Engine, EngineConfig
         self.name = f"tandem {dtype}" + (f" + {spec.type}" if spec else "")
         self.engine = Engine.load(EngineConfig(model=model, dtype=dtype, ctx_size=ctx, parallel=1, spec=spec))
         self.draft_s = 0.0
@@ -80,13 +83,11 @@ class TandemSystem:
             self.engine.drafter.draft = timed
 
     def pp(self, ids: list[int]) -> float:
-        from engine.sampling import SamplingParams
         out = list(self.engine.generate(ids, SamplingParams(temperature=0, max_tokens=1), cache_prompt=False))
         t = out[-1].request.timings()
         return 1000 * t.prompt_n / t.prompt_ms
 
     def tg(self, ids: list[int], n: int) -> float:
-        from engine.sampling import SamplingParams
         params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
         stamps, steps, drafted = [], [], []
         for out in self.engine.generate(ids, params, cache_prompt=False):
@@ -97,23 +98,32 @@ class TandemSystem:
         elapsed, decode_steps = stamps[-1] - stamps[0], steps[-1] - steps[0]
         self.last = (1000 * elapsed / decode_steps, 1000 * (drafted[-1] - drafted[0]) / decode_steps,
                      (len(stamps) - 1) / decode_steps)
-        return (len(stamps) - 1) / elapsed
+        return tokens_per_second(stamps)
+
+
+def tokens_per_second(stamps: list[float]) -> float:
+    """TG from each generated token's arrival time: the first comes out of the prefill, so it starts the clock."""
+    return (len(stamps) - 1) / (stamps[-1] - stamps[0])
+
+
+def load_reference(model: str):
+    """transformers' own load of a model (an HF directory or a GGUF file) in fp32."""
+    from transformers import AutoModelForCausalLM
+    path = open_model(model).path
+    if path.suffix == ".gguf":
+        return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
 
 
 class TransformersSystem:
     """transformers' own load of the same file, in fp32: the reference implementation. `hf` shares an
     already loaded model; `generate_kwargs` selects a decoding variant (e.g. prompt lookup)."""
 
-    def __init__(self, model: str, name: str = "transformers f32", hf=None, **generate_kwargs):
+    NAME = "transformers f32"
+
+    def __init__(self, model: str, name: str = NAME, hf=None, **generate_kwargs):
         self.name, self.generate_kwargs = name, generate_kwargs
-        if hf is None:
-            from transformers import AutoModelForCausalLM
-            from engine.weights import open_model
-            path = open_model(model).path
-            kwargs = {"gguf_file": path.name} if path.suffix == ".gguf" else {}
-            root = path.parent if path.suffix == ".gguf" else path
-            hf = AutoModelForCausalLM.from_pretrained(str(root), dtype=torch.float32, **kwargs).eval()
-        self.model = hf
+        self.model = hf if hf is not None else load_reference(model)
 
     @torch.inference_mode()
     def pp(self, ids: list[int]) -> float:
@@ -135,8 +145,7 @@ class TransformersSystem:
 
         self.model.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
                             streamer=Stamps(), pad_token_id=self.model.config.eos_token_id, **self.generate_kwargs)
-        stamps = stamps[len(ids):]
-        return (len(stamps) - 1) / (stamps[-1] - stamps[0])
+        return tokens_per_second(stamps[len(ids):])
 
 
 def tg_prompts(tokenizer, heldout: int | None, message: str = CHAT) -> list[list[int]]:
@@ -145,6 +154,29 @@ def tg_prompts(tokenizer, heldout: int | None, message: str = CHAT) -> list[list
         from engine.train_mtp import chat_prompts
         return chat_prompts(tokenizer, 0, heldout, seed=0)[1]
     return [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": message}]))]
+
+
+def add_workload_flags(p: argparse.ArgumentParser, heldout: int | None = None) -> None:
+    """The flags of the workload every speed comparison here shares (engine.bench, bench.compare)."""
+    p.add_argument("-m", "--model", default="default")
+    p.add_argument("--runs", type=int, default=5)
+    p.add_argument("--pp", type=int, default=512, help="prompt tokens for PP")
+    p.add_argument("--tg", type=int, default=128, help="generated tokens for TG")
+    p.add_argument("-t", "--threads", type=int, help="torch threads (default: torch's choice)")
+    p.add_argument("--heldout", type=int, default=heldout,
+                   help="TG prompts: this many held-out MTP training prompts (0: one chat message)")
+    p.add_argument("--message", default=CHAT, help="the TG prompt's user message (without --heldout); "
+                   "@FILE reads it from FILE")
+
+
+def workload(args: argparse.Namespace, tokenizer) -> tuple[list[int], list[list[int]]]:
+    """(the PP prompt, the TG prompts) that add_workload_flags' flags ask for."""
+    message = Path(args.message[1:]).read_text() if args.message.startswith("@") else args.message
+    return prompt_tokens(tokenizer, args.pp), tg_prompts(tokenizer, args.heldout, message)
+
+
+def context_size(args: argparse.Namespace) -> int:
+    return args.pp + args.tg + CTX_MARGIN
 
 
 def run(systems, pp_ids: list[int], prompts: list[list[int]], tg_n: int, runs: int, log=print) -> list[Result]:
@@ -156,7 +188,7 @@ def run(systems, pp_ids: list[int], prompts: list[list[int]], tg_n: int, runs: i
         for s, r in zip(systems, results):
             r.pp.append(s.pp(pp_ids))
             r.tg.append(s.tg(prompts[i % len(prompts)], tg_n))
-            line = f"run {i + 1}/{runs} {s.name:26s} PP {r.pp[-1]:7.1f}  TG {r.tg[-1]:6.1f} tok/s"
+            line = f"run {i + 1}/{runs} {s.name:32s} PP {r.pp[-1]:7.1f}  TG {r.tg[-1]:6.1f} tok/s"
             if isinstance(s, TandemSystem):
                 step, draft, length = s.last
                 r.step_ms.append(step), r.draft_ms.append(draft), r.accept_length.append(length)
@@ -165,20 +197,26 @@ def run(systems, pp_ids: list[int], prompts: list[list[int]], tg_n: int, runs: i
     return results
 
 
-def table(results: list[Result], reference: str | None) -> str:
-    ref = next((r for r in results if r.system == reference), None)
-    lines = [f"{'system':26s} {'PP tok/s':>9s} {'ratio':>6s} {'TG tok/s':>9s} {'ratio':>6s}"]
+def table(results: list[Result], references: list[str]) -> str:
+    """Medians, and each one's ratio to every reference system that ran ('-' where one did not)."""
+    refs = {r.system: r for r in results if r.system in references}
+    labels = ["/" + k.split()[0] for k in references]  # "/transformers", "/llama.cpp"
+
+    def ratios(r: Result, attr: str) -> str:
+        return "".join(f" {getattr(r, attr) / getattr(refs[k], attr):{len(h) - 1}.2f}x" if k in refs
+                       else f" {'-':>{len(h)}s}" for k, h in zip(references, labels))
+    heads = "".join(f" {h}" for h in labels)
+    lines = [f"{'system':32s} {'PP tok/s':>9s}{heads} {'TG tok/s':>9s}{heads}"]
     for r in results:
-        pp_ratio = f"{r.pp_median / ref.pp_median:5.2f}x" if ref else ""
-        tg_ratio = f"{r.tg_median / ref.tg_median:5.2f}x" if ref else ""
-        lines.append(f"{r.system:26s} {r.pp_median:9.1f} {pp_ratio:>6s} {r.tg_median:9.1f} {tg_ratio:>6s}")
+        lines.append(f"{r.system:32s} {r.pp_median:9.1f}{ratios(r, 'pp_median')} {r.tg_median:9.1f}"
+                     f"{ratios(r, 'tg_median')}")
     return "\n".join(lines)
 
 
 def speculation_table(results: list[Result]) -> str:
     """Each drafted system against its plain twin: TG ratio and what bounds it."""
     plain = {r.system: r for r in results}
-    lines = [f"{'system':26s} {'TG ratio':>8s} {'L':>5s} {'verify':>7s} {'draft':>6s} {'L/(v+d)':>8s}"]
+    lines = [f"{'system':32s} {'TG ratio':>8s} {'L':>5s} {'verify':>7s} {'draft':>6s} {'L/(v+d)':>8s}"]
     for r in results:
         base = plain.get(r.system.split(" + ")[0])
         if " + " not in r.system or base is None:
@@ -187,7 +225,7 @@ def speculation_table(results: list[Result]) -> str:
         length = statistics.median(r.accept_length)
         draft = statistics.median(r.draft_ms) / plain_step
         verify = (statistics.median(r.step_ms) - statistics.median(r.draft_ms)) / plain_step
-        lines.append(f"{r.system:26s} {r.tg_median / base.tg_median:7.2f}x {length:5.2f} {verify:7.2f} "
+        lines.append(f"{r.system:32s} {r.tg_median / base.tg_median:7.2f}x {length:5.2f} {verify:7.2f} "
                      f"{draft:6.2f} {length / (verify + draft):7.2f}x")
     return "\n".join(lines)
 
@@ -195,40 +233,30 @@ def speculation_table(results: list[Result]) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m engine.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("-m", "--model", default="default")
+    add_workload_flags(p)
     p.add_argument("--dtypes", nargs="+", choices=DTYPES, default=list(DTYPES))
-    p.add_argument("--runs", type=int, default=5)
-    p.add_argument("--pp", type=int, default=512, help="prompt tokens for PP")
-    p.add_argument("--tg", type=int, default=128, help="generated tokens for TG")
-    p.add_argument("-t", "--threads", type=int, help="torch threads (default: torch's choice)")
     p.add_argument("--no-transformers", action="store_true", help="skip the reference")
     p.add_argument("--spec-type", choices=SPEC_TYPES, help="also run each dtype with this drafter")
     p.add_argument("-md", "--spec-draft-model", help="the draft's file (draft-mtp, draft-simple)")
     p.add_argument("--spec-draft-n-max", type=int, default=3)
     p.add_argument("--spec-draft-p-min", type=float, default=0.5)
-    p.add_argument("--heldout", type=int, help="TG prompts: this many held-out MTP training prompts")
-    p.add_argument("--message", default=CHAT, help="the TG prompt's user message (without --heldout); "
-                   "@FILE reads it from FILE")
     p.add_argument("--json", type=Path, help="also write the per-run figures here")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    ctx = args.pp + args.tg + 256
     spec = None
     if args.spec_type:
         spec = SpecConfig(type=SPEC_TYPES[args.spec_type], draft_model=args.spec_draft_model, n_max=args.spec_draft_n_max,
                           p_min=args.spec_draft_p_min)
-    systems = [TandemSystem(args.model, d, ctx, s) for d in args.dtypes for s in ([None, spec] if spec else [None])]
+    systems = [TandemSystem(args.model, d, context_size(args), s)
+               for d in args.dtypes for s in ([None, spec] if spec else [None])]
     if not args.no_transformers:
         systems.append(TransformersSystem(args.model))
-    tok = systems[0].engine.tokenizer
-    pp_ids = prompt_tokens(tok, args.pp)
+    pp_ids, prompts = workload(args, systems[0].engine.tokenizer)
     print(f"model {args.model}, PP {args.pp} tokens, TG {args.tg} tokens at batch 1, "
           f"{torch.get_num_threads()} threads, {args.runs} runs", flush=True)
-    message = Path(args.message[1:]).read_text() if args.message.startswith("@") else args.message
-    results = run(systems, pp_ids, tg_prompts(tok, args.heldout, message), args.tg, args.runs,
-                  log=lambda line: print(line, flush=True))
-    print("\nmedians:\n" + table(results, None if args.no_transformers else "transformers f32"))
+    results = run(systems, pp_ids, prompts, args.tg, args.runs, log=lambda line: print(line, flush=True))
+    print("\nmedians:\n" + table(results, [] if args.no_transformers else [TransformersSystem.NAME]))
     if spec:
         print("\nspeculation (medians; verify and draft costs in plain decode steps):\n" + speculation_table(results))
     if args.json:

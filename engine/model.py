@@ -41,7 +41,7 @@ def fused_linear(t: dict, p: str, fused: str, with_bias: bool, dtype: str) -> Li
 
 def split_fused(tensors: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
     """Module tensors -> checkpoint names: each fused projection back into its parts."""
-    sizes = {"self_attn.qkv_proj": [config.num_heads * config.head_dim] + [config.num_kv_heads * config.head_dim] * 2,
+    sizes = {"self_attn.qkv_proj": [config.q_size, config.kv_size, config.kv_size],
              "mlp.gate_up_proj": [config.intermediate_size] * 2}
     out = {}
     for name, value in tensors.items():

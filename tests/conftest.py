@@ -17,7 +17,5 @@ def default_engine():
 @pytest.fixture(scope="session")
 def hf_default_model():
     """transformers' own load of the same GGUF file: the reference implementation."""
-    from transformers import AutoModelForCausalLM
-    from engine.weights import default_model_path
-    path = default_model_path()
-    return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+    from engine.bench import load_reference
+    return load_reference("default")
