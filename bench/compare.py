@@ -22,8 +22,7 @@ from pathlib import Path
 
 import torch
 
-from engine.bench import (TandemSystem, TransformersSystem, add_workload_flags, context_size, run, table,
-                          tokens_per_second, workload)
+from engine.bench import TandemSystem, TransformersSystem, add_workload_flags, run, table, tokens_per_second, workload
 from engine.config import num_param_bytes
 from engine.drafter import SpecConfig
 from engine.quant import BYTES_PER_WEIGHT, DTYPES
@@ -84,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     threads = torch.get_num_threads()
     files = open_model(args.model)
     draft = args.spec_draft_model or (str(DEFAULT_DRAFT) if args.model == "default" else None)
-    ctx = context_size(args)
+    pp_ids, prompts, ctx = workload(args)
     systems = [TandemSystem(args.model, args.dtype, ctx)]
     if draft:
         systems.append(TandemSystem(args.model, args.dtype, ctx,
@@ -101,7 +100,6 @@ def main(argv: list[str] | None = None) -> int:
         print("llama.cpp: skipped (install it with `pip install llama-cpp-python`; it compiles for minutes)")
     else:
         systems.append(LlamaCppSystem(files.path, ctx, threads))
-    pp_ids, prompts = workload(args, systems[0].engine.tokenizer)
     bandwidth = memory_bandwidth()
     print(f"model {args.model} ({files.path.name}), tandem {args.dtype}, PP {args.pp} tokens, TG {args.tg} tokens "
           f"at batch 1, greedy, {threads} threads, {args.runs} runs", flush=True)

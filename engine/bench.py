@@ -33,10 +33,10 @@ from engine.drafter import SPEC_TYPES, SpecConfig
 from engine.engine import Engine, EngineConfig
 from engine.quant import DTYPES
 from engine.sampling import SamplingParams
+from engine.tokenizer import Tokenizer
 from engine.weights import open_model
 
 TEXT = Path("/usr/share/common-licenses/GPL-3")
-CTX_MARGIN = 256  # positions beyond the PP prompt and the TG tokens: room for the TG chat prompts
 CHAT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 
 
@@ -169,21 +169,20 @@ def add_workload_flags(p: argparse.ArgumentParser, heldout: int | None = None) -
                    "@FILE reads it from FILE")
 
 
-def workload(args: argparse.Namespace, tokenizer) -> tuple[list[int], list[list[int]]]:
-    """(the PP prompt, the TG prompts) that add_workload_flags' flags ask for."""
+def workload(args: argparse.Namespace) -> tuple[list[int], list[list[int]], int]:
+    """(the PP prompt, the TG prompts, the context a slot needs for them) that add_workload_flags'
+    flags ask for."""
+    tokenizer = Tokenizer.load(open_model(args.model))
     message = Path(args.message[1:]).read_text() if args.message.startswith("@") else args.message
-    return prompt_tokens(tokenizer, args.pp), tg_prompts(tokenizer, args.heldout, message)
-
-
-def context_size(args: argparse.Namespace) -> int:
-    return args.pp + args.tg + CTX_MARGIN
+    pp_ids, prompts = prompt_tokens(tokenizer, args.pp), tg_prompts(tokenizer, args.heldout, message)
+    return pp_ids, prompts, max(len(pp_ids), *(len(p) + args.tg for p in prompts)) + 1
 
 
 def run(systems, pp_ids: list[int], prompts: list[list[int]], tg_n: int, runs: int, log=print) -> list[Result]:
     results = [Result(s.name) for s in systems]
     for s in systems:  # warm-up: allocator, caches, the kernels' first calls
         s.pp(pp_ids[:64])
-        s.tg(prompts[0], 8)
+        s.tg(prompts[0], min(8, tg_n))
     for i in range(runs):
         for s, r in zip(systems, results):
             r.pp.append(s.pp(pp_ids))
@@ -248,11 +247,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.spec_type:
         spec = SpecConfig(type=SPEC_TYPES[args.spec_type], draft_model=args.spec_draft_model, n_max=args.spec_draft_n_max,
                           p_min=args.spec_draft_p_min)
-    systems = [TandemSystem(args.model, d, context_size(args), s)
-               for d in args.dtypes for s in ([None, spec] if spec else [None])]
+    pp_ids, prompts, ctx = workload(args)
+    systems = [TandemSystem(args.model, d, ctx, s) for d in args.dtypes for s in ([None, spec] if spec else [None])]
     if not args.no_transformers:
         systems.append(TransformersSystem(args.model))
-    pp_ids, prompts = workload(args, systems[0].engine.tokenizer)
     print(f"model {args.model}, PP {args.pp} tokens, TG {args.tg} tokens at batch 1, "
           f"{torch.get_num_threads()} threads, {args.runs} runs", flush=True)
     results = run(systems, pp_ids, prompts, args.tg, args.runs, log=lambda line: print(line, flush=True))
