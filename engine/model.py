@@ -9,11 +9,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine import kernels
+from engine.arena import move_to_huge_pages
 from engine.batch import ForwardBatch
 from engine.config import ModelConfig
 from engine.kv_cache import KVCache
 from engine.quant import Linear, compute_dtype
-from engine.rope import apply_rope, rope_table
+from engine.rope import rope_table, rotate_
 
 
 class RMSNorm(nn.Module):
@@ -21,8 +23,11 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.register_buffer("weight", weight.to(dtype))
         self.eps = eps
+        self.fast = kernels.available()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fast:
+            return kernels.rms_norm(x, self.weight, self.eps)
         # Normalised in f32, rounded to x's dtype, then scaled: the reference's order of operations.
         return self.weight * F.rms_norm(x.float(), x.shape[-1:], eps=self.eps).to(x.dtype)
 
@@ -64,6 +69,7 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(t[p + "k_norm.weight"], c.rms_norm_eps, cdt) if c.qk_norm else None
         self.heads, self.kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
         self.group = c.num_heads // c.num_kv_heads
+        self.fast = kernels.available()
 
     def forward(self, x, batch: ForwardBatch, cos, sin, cache: KVCache, layer: int) -> torch.Tensor:
         n, heads = x.shape[0], self.heads
@@ -71,7 +77,7 @@ class Attention(nn.Module):
         qk = qkv[:, :heads + self.kv_heads]
         if self.q_norm is not None:
             qk = torch.cat([self.q_norm(qk[:, :heads]), self.k_norm(qk[:, heads:])], dim=1)
-        qk = apply_rope(qk, cos, sin)  # q and k rotated in one pass
+        rotate_(qk, cos, sin)  # q and k in one pass
         q, k, v = qk[:, :heads], qk[:, heads:], qkv[:, heads + self.kv_heads:]
         cache_dtype = cache.k[layer].dtype
         out = torch.empty_like(q)
@@ -82,7 +88,11 @@ class Attention(nn.Module):
             cache.write(layer, row.slot, row.start, k[sl].transpose(0, 1).to(cache_dtype),
                         v[sl].transpose(0, 1).to(cache_dtype))
             keys, values = cache.read(layer, row.slot, row.start + t)
-            out[sl] = self._attend(q[sl], keys.to(q.dtype), values.to(q.dtype), mask)
+            keys, values = keys.to(q.dtype), values.to(q.dtype)
+            if t == 1 and self.fast:
+                out[offset] = kernels.decode_attention(q[offset], keys, values, self.head_dim ** -0.5)
+            else:
+                out[sl] = self._attend(q[sl], keys, values, mask)
             offset += t
         return self.o_proj(out.view(n, heads * self.head_dim))
 
@@ -137,7 +147,7 @@ class Transformer(nn.Module):
         self.config, self.dtype = config, dtype
         self.compute_dtype = compute_dtype(dtype)
         head = tensors["model.embed_tokens.weight"] if config.tie_word_embeddings else tensors["lm_head.weight"]
-        self.lm_head = Linear(head, None, dtype, keep_rows=config.tie_word_embeddings)
+        self.lm_head = Linear(head, None, dtype)
         # A tied embedding is read from the lm_head's (possibly quantized) rows: one copy in memory.
         self.embed = None if config.tie_word_embeddings else \
             tensors["model.embed_tokens.weight"].to(self.compute_dtype)
@@ -146,6 +156,7 @@ class Transformer(nn.Module):
         cos, sin = rope_table(config.rope, config.head_dim, max_positions or config.max_position_embeddings)
         self.register_buffer("cos", cos.to(self.compute_dtype))
         self.register_buffer("sin", sin.to(self.compute_dtype))
+        move_to_huge_pages(self)
 
     def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
         if self.embed is not None:

@@ -26,6 +26,7 @@ from engine.batch import ForwardBatch
 from engine.config import ModelConfig
 from engine.errors import ConfigError
 from engine.model import DecoderLayer, RMSNorm
+from engine.arena import move_to_huge_pages
 from engine.quant import Linear, compute_dtype
 from engine.rope import rope_table
 
@@ -119,6 +120,7 @@ class MTPDraft(nn.Module):
         cos, sin = rope_table(config.rope, config.head_dim, max_positions)
         self.register_buffer("cos", cos.to(cdt))
         self.register_buffer("sin", sin.to(cdt))
+        move_to_huge_pages(self)
 
     def layer_for_depth(self, depth: int) -> int:
         return min(depth, self.num_layers) - 1

@@ -5,6 +5,7 @@ import math
 
 import torch
 
+from engine import kernels
 from engine.config import RopeConfig
 
 
@@ -65,6 +66,14 @@ def rope_table(rope: RopeConfig, head_dim: int, max_positions: int) -> tuple[tor
     angles = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv)
     angles = torch.cat([angles, angles], dim=-1)
     return angles.cos() * attention, angles.sin() * attention
+
+
+def rotate_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """apply_rope in place, by tandem's kernel where it is built."""
+    if kernels.available():
+        kernels.rope_(x, cos, sin)
+    else:
+        x.copy_(apply_rope(x, cos, sin))
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -12,13 +12,11 @@ import torch
 from engine.batch import ForwardBatch, Row
 from engine.kv_cache import KVCache
 from engine.model import Transformer
-from engine.quant import INT8_MATVEC_MAX_ROWS
+from engine.quant import KERNEL_MAX_ROWS
 from engine.weights import open_model
 
 TEXT = Path("/usr/share/common-licenses/GPL-3")
 N_TOKENS = 2000
-# Chunks small enough for the kernels decode runs (int8: the int8-weight product, not a dequantized matmul).
-CHUNK = INT8_MATVEC_MAX_ROWS
 
 
 @pytest.fixture(scope="module")
@@ -32,12 +30,14 @@ def reading():
 
 
 def teacher_forced(model: Transformer, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each position's argmax and the negative log-likelihood of the true next token, [N_TOKENS] each."""
+    """Each position's argmax and the negative log-likelihood of the true next token, [N_TOKENS] each.
+    Read in chunks small enough for the kernel that decode runs, not prefill's matmul."""
+    chunk_size = KERNEL_MAX_ROWS[model.dtype]
     c = model.config
     cache = KVCache(c.num_layers, 1, len(ids), c.num_kv_heads, c.head_dim, model.compute_dtype)  # as served
     argmax, nll = [], []
-    for start in range(0, len(ids) - 1, CHUNK):
-        chunk = ids[start:min(start + CHUNK, len(ids) - 1)]
+    for start in range(0, len(ids) - 1, chunk_size):
+        chunk = ids[start:min(start + chunk_size, len(ids) - 1)]
         logits = model.logits(model(ForwardBatch.build([Row(0, start, chunk)]), cache))
         targets = torch.tensor(ids[start + 1:start + 1 + len(chunk)])
         argmax.append(logits.argmax(-1))

@@ -1,0 +1,45 @@
+// tandem::rope_: rotary position embedding applied in place to q and k heads, one pass instead of
+// torch's cat, neg, two multiplies and an add per layer.
+//
+// x [N, H, D] (any row and head strides, unit stride along D); cos, sin [N, D], both halves of D
+// holding the same angles. The halves of each head rotate: (a, b) -> (a cos - b sin, b cos + a sin).
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+namespace {
+
+template <typename T>
+void rope_rows(T* x, const T* cos, const T* sin, int64_t N, int64_t H, int64_t D, int64_t row_stride,
+               int64_t head_stride) {
+  const int64_t half = D / 2;
+  for (int64_t n = 0; n < N; ++n) {
+    const T* c = cos + n * D;
+    const T* s = sin + n * D;
+    for (int64_t h = 0; h < H; ++h) {
+      T* p = x + n * row_stride + h * head_stride;
+      for (int64_t i = 0; i < half; ++i) {
+        const float a = static_cast<float>(p[i]), b = static_cast<float>(p[i + half]);
+        p[i] = static_cast<T>(a * static_cast<float>(c[i]) - b * static_cast<float>(s[i]));
+        p[i + half] = static_cast<T>(b * static_cast<float>(c[i + half]) + a * static_cast<float>(s[i + half]));
+      }
+    }
+  }
+}
+
+void rope_(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin) {
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1, "rope_: x [N, H, D] with unit stride along D expected");
+  const int64_t N = x.size(0), H = x.size(1), D = x.size(2);
+  TORCH_CHECK(D % 2 == 0, "rope_: head_dim must be even, got ", D);
+  const at::Tensor c = cos.to(x.scalar_type()).reshape({N, D}).contiguous();
+  const at::Tensor s = sin.to(x.scalar_type()).reshape({N, D}).contiguous();
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "rope_", [&] {
+    rope_rows(x.data_ptr<scalar_t>(), c.data_ptr<scalar_t>(), s.data_ptr<scalar_t>(), N, H, D, x.stride(0),
+              x.stride(1));
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(tandem, m) { m.def("rope_(Tensor(a!) x, Tensor cos, Tensor sin) -> ()"); }
+
+TORCH_LIBRARY_IMPL(tandem, CPU, m) { m.impl("rope_", rope_); }

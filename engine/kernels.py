@@ -1,0 +1,77 @@
+"""tandem's own CPU kernels (engine/csrc), compiled on first use for the CPU they run on.
+
+The build is cached (torch's extension directory, keyed by source and CPU), so only the first
+load on a machine pays the compile, about a minute. Where no compiler is available the engine
+falls back to torch's kernels and says so once: slower, same results.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import platform
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.cpp"))
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _build_name() -> str:
+    # -march=native code must not be reused on another CPU: the CPU's flags are part of the name.
+    digest = hashlib.sha256(_cpu_flags().encode())
+    for source in SOURCES:
+        digest.update(source.read_bytes())
+    return f"tandem_kernels_{digest.hexdigest()[:12]}"
+
+
+@functools.cache
+def available() -> bool:
+    """Compiles (or finds the cached build of) the kernels and registers torch.ops.tandem."""
+    if os.environ.get("TANDEM_NO_KERNELS"):
+        return False
+    try:
+        import ninja  # the build runs through ninja; its wheel puts the binary here
+        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+    except ImportError:
+        pass
+    try:
+        from torch.utils.cpp_extension import load
+        load(name=_build_name(), sources=[str(s) for s in SOURCES], extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
+             is_python_module=False, verbose=False)
+        return True
+    except Exception as e:  # no compiler, no headers: torch's kernels still give the same results
+        log.warning("tandem kernels unavailable, using torch's (slower at decode): %s", e)
+        return False
+
+
+def linear_rows(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None,
+                bias: torch.Tensor | None) -> torch.Tensor:
+    """x [M, K] @ weight [N, K]^T * scale [N] + bias [N] -> [M, N] in x's dtype, for small M."""
+    return torch.ops.tandem.linear_rows(x, weight, scale, bias)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return torch.ops.tandem.rms_norm(x, weight, eps)
+
+
+def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Rotates x [N, H, D] in place; cos, sin [N, D]."""
+    torch.ops.tandem.rope_(x, cos, sin)
+
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """One query per head, q [H, D], against k, v [KVH, L, D] -> [H, D]."""
+    return torch.ops.tandem.decode_attention(q, k, v, scale)

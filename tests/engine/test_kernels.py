@@ -1,0 +1,105 @@
+"""tandem's own CPU kernels (engine/csrc) compute what the torch reference computes, for every
+weight format and the shapes the engine sends them (ragged K, a few rows, grouped heads), and the
+model gives the same logits with and without them."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine import kernels, quant, rope
+from engine.arena import move_to_huge_pages
+from engine.batch import ForwardBatch, Row
+from engine.kv_cache import KVCache
+from engine.model import Transformer
+from engine.tiny import write_tiny_model
+from engine.weights import open_model
+from tests.engine.test_parity import tiny_config
+
+
+def test_kernels_build_on_this_machine():
+    # CI machines have a compiler: a silent fallback to torch's kernels would hide a broken build.
+    assert kernels.available()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8])
+@pytest.mark.parametrize("rows", [1, 3, 4, 7, 16])
+@pytest.mark.parametrize("k", [15, 64, 100, 576])
+def test_linear_rows_matches_matmul(dtype, rows, k):
+    torch.manual_seed(rows * 1000 + k)
+    n = 37  # not a multiple of the kernel's 4-channel blocks
+    w = (torch.randn(n, k) * 40).to(dtype)
+    scale, bias = torch.rand(n), torch.randn(n)
+    for x_dtype, tol in [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)]:
+        x = torch.randn(rows, k).to(x_dtype)
+        ref = x.float() @ w.float().T
+        y = kernels.linear_rows(x, w, scale, bias)
+        assert y.dtype == x_dtype and y.shape == (rows, n)
+        assert ((y.float() - (ref * scale + bias)).abs().max() / ref.abs().max()) < tol
+        plain = kernels.linear_rows(x, w, None, None)
+        assert ((plain.float() - ref).abs().max() / ref.abs().max()) < tol
+
+
+def test_linear_rows_names_bad_shapes():
+    with pytest.raises(RuntimeError, match="weight \\[N, K\\]"):
+        kernels.linear_rows(torch.randn(2, 8), torch.randn(4, 9), None, None)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_matches_reference_order(dtype):
+    x, w = torch.randn(5, 3, 160).to(dtype), torch.randn(160).to(dtype)
+    ref = w * F.rms_norm(x.float(), (160,), eps=1e-6).to(dtype)
+    torch.testing.assert_close(kernels.rms_norm(x, w, 1e-6), ref, rtol=0, atol=1e-6 if dtype == torch.float32 else 1e-2)
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-6), (torch.bfloat16, 3e-2)])
+def test_rope_in_place_on_a_strided_view(dtype, tol):
+    qkv = torch.randn(4, 7, 160).to(dtype)  # q and k heads are the first 5 of 7
+    before = qkv.clone()
+    angles = torch.rand(4, 80) * 6
+    cos, sin = torch.cat([angles.cos()] * 2, -1).to(dtype), torch.cat([angles.sin()] * 2, -1).to(dtype)
+    kernels.rope_(qkv[:, :5], cos, sin)
+    ref = rope.apply_rope(before[:, :5].float(), cos[:, None].float(), sin[:, None].float())
+    torch.testing.assert_close(qkv[:, :5].float(), ref, rtol=0, atol=tol)
+    assert torch.equal(qkv[:, 5:], before[:, 5:])  # v untouched
+
+
+@pytest.mark.parametrize("heads, kv_heads, length", [(9, 3, 1), (9, 3, 200), (16, 8, 37), (4, 4, 1500)])
+def test_decode_attention_matches_sdpa(heads, kv_heads, length):
+    d = 64
+    q = torch.randn(heads, d)
+    cache_k, cache_v = torch.randn(kv_heads, length + 10, d), torch.randn(kv_heads, length + 10, d)
+    k, v = cache_k[:, :length], cache_v[:, :length]  # views of a longer cache, as the engine passes
+    ref = F.scaled_dot_product_attention(q.view(kv_heads, heads // kv_heads, 1, d), k[:, None], v[:, None])
+    torch.testing.assert_close(kernels.decode_attention(q, k, v, d ** -0.5), ref.reshape(heads, d), rtol=0, atol=1e-5)
+
+
+def test_huge_page_block_keeps_every_weight():
+    layers = torch.nn.ModuleList(quant.Linear(torch.randn(1024, 576), None, "int8") for _ in range(5))
+    before = [layer.weight.clone() for layer in layers]
+    move_to_huge_pages(layers)
+    addresses = [layer.weight.data_ptr() for layer in layers]
+    assert all(b - a == 1024 * 576 for a, b in zip(addresses, addresses[1:]))  # one block, in order
+    assert all(torch.equal(layer.weight, w) for layer, w in zip(layers, before))
+    x = torch.randn(2, 576)
+    assert torch.equal(layers[0](x), kernels.linear_rows(x, before[0], layers[0].scale, None))
+
+
+@pytest.mark.parametrize("dtype", ["f32", "int8"])
+def test_model_gives_the_same_logits_without_the_kernels(tmp_path, monkeypatch, dtype):
+    path = write_tiny_model(tiny_config("qwen3"), tmp_path / "m", seed=3)
+    files = open_model(str(path))
+    c = files.config
+    tokens = list(range(3, 23))
+
+    def logits() -> torch.Tensor:
+        model = Transformer(c, files.load_tensors(), dtype, max_positions=64)
+        cache = KVCache(c.num_layers, 1, 64, c.num_kv_heads, c.head_dim)
+        out = [model.logits(model(ForwardBatch.build([Row(0, 0, tokens[:16])]), cache))]
+        for i, t in enumerate(tokens[16:]):  # single-token decode: the matrix-vector and attention kernels
+            out.append(model.logits(model(ForwardBatch.build([Row(0, 16 + i, [t])]), cache)))
+        return torch.cat(out)
+
+    with_kernels = logits()
+    monkeypatch.setattr(kernels, "available", lambda: False)
+    torch.testing.assert_close(with_kernels, logits(), rtol=0, atol=1e-4)
