@@ -57,21 +57,27 @@ def available() -> bool:
         return False
 
 
+def _ops():
+    if not available():
+        raise RuntimeError("tandem kernels are not built on this machine (see the warning above)")
+    return torch.ops.tandem
+
+
 def linear_rows(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None,
                 bias: torch.Tensor | None) -> torch.Tensor:
     """x [M, K] @ weight [N, K]^T * scale [N] + bias [N] -> [M, N] in x's dtype, for small M."""
-    return torch.ops.tandem.linear_rows(x, weight, scale, bias)
+    return _ops().linear_rows(x, weight, scale, bias)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return torch.ops.tandem.rms_norm(x, weight, eps)
+    return _ops().rms_norm(x, weight, eps)
 
 
 def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     """Rotates x [N, H, D] in place; cos, sin [N, D]."""
-    torch.ops.tandem.rope_(x, cos, sin)
+    _ops().rope_(x, cos, sin)
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """One query per head, q [H, D], against k, v [KVH, L, D] -> [H, D]."""
-    return torch.ops.tandem.decode_attention(q, k, v, scale)
+    return _ops().decode_attention(q, k, v, scale)

@@ -87,8 +87,9 @@ class Evaluation:
         return {n: round(1 + a, 3) for n, a in self.mean_accepted.items()}
 
 
-def chat_prompts(tokenizer, n_train: int, n_heldout: int, seed: int) -> tuple[list[list[int]], list[list[int]]]:
-    spec = json.loads(PROMPTS.read_text())
+def chat_prompts(tokenizer, n_train: int, n_heldout: int, seed: int,
+                 path: Path = PROMPTS) -> tuple[list[list[int]], list[list[int]]]:
+    spec = json.loads(Path(path).read_text())
     train, heldout = [], []
     for t, topic in enumerate(spec["topics"]):
         for template in spec["templates"]:
@@ -156,7 +157,8 @@ def generate(engine: Engine, prompts: list[list[int]], max_tokens: list[int], mi
 
 def collect(engine: Engine, args) -> Data:
     t0 = time.perf_counter()
-    train_p, heldout_p = chat_prompts(engine.tokenizer, args.skip_prompts + args.prompts, args.heldout, args.seed)
+    train_p, heldout_p = chat_prompts(engine.tokenizer, args.skip_prompts + args.prompts, args.heldout, args.seed,
+                                     args.prompt_file)
     train_p = train_p[args.skip_prompts:]
     texts = licence_chunks(engine.tokenizer, args.text_tokens)
     prompts = heldout_p + texts + train_p  # held-out answers first: the evaluation needs them
@@ -354,6 +356,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--out", required=True, help="the draft file (.safetensors); a .json run record goes beside it")
     ap.add_argument("--model", default="default")
     ap.add_argument("--target-name", default="SmolLM2-135M-Instruct Q4_1", help="recorded in the file's metadata")
+    ap.add_argument("--prompt-file", default=str(PROMPTS), help="topics x templates (JSON, as mtp-prompts.json)")
     ap.add_argument("--prompts", type=int, default=10_000, help="most training chat prompts (all there are: 672)")
     ap.add_argument("--heldout", type=int, default=64, help="held-out chat prompts for the evaluation")
     ap.add_argument("--max-tokens", type=int, default=192, help="longest answer")

@@ -9,6 +9,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
@@ -18,31 +19,43 @@ template <typename T>
 void attend(const T* q, const T* k, const T* v, T* out, int64_t H, int64_t KVH, int64_t L, int64_t D,
             int64_t q_stride, int64_t kv_head_stride, int64_t kv_pos_stride, float scale) {
   const int64_t group = H / KVH;
-  at::parallel_for(0, H, std::max<int64_t>(1, 65536 / (L * D)), [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(D), acc(D), scores(L);
-    for (int64_t h = begin; h < end; ++h) {
-      const T* kh = k + (h / group) * kv_head_stride;
-      const T* vh = v + (h / group) * kv_head_stride;
-      for (int64_t i = 0; i < D; ++i) qf[i] = static_cast<float>(q[h * q_stride + i]) * scale;
-      float top = -INFINITY;
-      for (int64_t l = 0; l < L; ++l) {
+  at::parallel_for(0, KVH, std::max<int64_t>(1, 65536 / (L * D * group)), [&](int64_t begin, int64_t end) {
+    // Per kv head: its `group` query heads, their scores [group, L] and outputs [group, D].
+    std::vector<float> qf(group * D), acc(group * D), scores(group * L);
+    for (int64_t g = begin; g < end; ++g) {
+      const T* kh = k + g * kv_head_stride;
+      const T* vh = v + g * kv_head_stride;
+      for (int64_t j = 0; j < group; ++j)
+        for (int64_t i = 0; i < D; ++i) qf[j * D + i] = static_cast<float>(q[(g * group + j) * q_stride + i]) * scale;
+      for (int64_t l = 0; l < L; ++l) {  // each key is read once for the whole group
         const T* kl = kh + l * kv_pos_stride;
-        float dot = 0.f;
+        for (int64_t j = 0; j < group; ++j) {
+          const float* qj = qf.data() + j * D;
+          float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
-        for (int64_t i = 0; i < D; ++i) dot += qf[i] * static_cast<float>(kl[i]);
-        scores[l] = dot;
-        top = std::max(top, dot);
+          for (int64_t i = 0; i < D; ++i) dot += qj[i] * static_cast<float>(kl[i]);
+          scores[j * L + l] = dot;
+        }
       }
-      float total = 0.f;
-      for (int64_t l = 0; l < L; ++l) total += scores[l] = std::exp(scores[l] - top);
       std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t l = 0; l < L; ++l) {
-        const T* vl = vh + l * kv_pos_stride;
-        const float p = scores[l];
-#pragma omp simd
-        for (int64_t i = 0; i < D; ++i) acc[i] += p * static_cast<float>(vl[i]);
+      for (int64_t j = 0; j < group; ++j) {
+        float* sj = scores.data() + j * L;
+        const float top = *std::max_element(sj, sj + L);
+        float total = 0.f;
+        for (int64_t l = 0; l < L; ++l) total += sj[l] = std::exp(sj[l] - top);
+        for (int64_t l = 0; l < L; ++l) sj[l] /= total;
       }
-      for (int64_t i = 0; i < D; ++i) out[h * D + i] = static_cast<T>(acc[i] / total);
+      for (int64_t l = 0; l < L; ++l) {  // and each value once
+        const T* vl = vh + l * kv_pos_stride;
+        for (int64_t j = 0; j < group; ++j) {
+          float* aj = acc.data() + j * D;
+          const float p = scores[j * L + l];
+#pragma omp simd
+          for (int64_t i = 0; i < D; ++i) aj[i] += p * static_cast<float>(vl[i]);
+        }
+      }
+      for (int64_t j = 0; j < group; ++j)
+        for (int64_t i = 0; i < D; ++i) out[(g * group + j) * D + i] = static_cast<T>(acc[j * D + i]);
     }
   });
 }
