@@ -57,6 +57,12 @@ def available() -> bool:
         return False
 
 
+def usable() -> bool:
+    """Whether to run the kernels now: they are built, and no gradient is wanted (they have no
+    backward; training, e.g. engine.train_mtp, runs on torch's ops)."""
+    return available() and not torch.is_grad_enabled()
+
+
 def _ops():
     if not available():
         raise RuntimeError("tandem kernels are not built on this machine (see the warning above)")

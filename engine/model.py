@@ -15,7 +15,7 @@ from engine.batch import ForwardBatch
 from engine.config import ModelConfig
 from engine.kv_cache import KVCache
 from engine.quant import Linear, compute_dtype
-from engine.rope import rope_table, rotate_
+from engine.rope import rope_table, rotate
 
 
 class RMSNorm(nn.Module):
@@ -23,10 +23,9 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.register_buffer("weight", weight.to(dtype))
         self.eps = eps
-        self.fast = kernels.available()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fast:
+        if kernels.usable():
             return kernels.rms_norm(x, self.weight, self.eps)
         # Normalised in f32, rounded to x's dtype, then scaled: the reference's order of operations.
         return self.weight * F.rms_norm(x.float(), x.shape[-1:], eps=self.eps).to(x.dtype)
@@ -69,7 +68,6 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(t[p + "k_norm.weight"], c.rms_norm_eps, cdt) if c.qk_norm else None
         self.heads, self.kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
         self.group = c.num_heads // c.num_kv_heads
-        self.fast = kernels.available()
 
     def forward(self, x, batch: ForwardBatch, cos, sin, cache: KVCache, layer: int) -> torch.Tensor:
         n, heads = x.shape[0], self.heads
@@ -77,10 +75,11 @@ class Attention(nn.Module):
         qk = qkv[:, :heads + self.kv_heads]
         if self.q_norm is not None:
             qk = torch.cat([self.q_norm(qk[:, :heads]), self.k_norm(qk[:, heads:])], dim=1)
-        rotate_(qk, cos, sin)  # q and k in one pass
+        qk = rotate(qk, cos, sin)  # q and k in one pass
         q, k, v = qk[:, :heads], qk[:, heads:], qkv[:, heads + self.kv_heads:]
         cache_dtype = cache.k[layer].dtype
         out = torch.empty_like(q)
+        fast = kernels.usable()
         offset = 0
         for row, mask in zip(batch.rows, batch.masks):
             t = len(row.tokens)
@@ -89,7 +88,7 @@ class Attention(nn.Module):
                         v[sl].transpose(0, 1).to(cache_dtype))
             keys, values = cache.read(layer, row.slot, row.start + t)
             keys, values = keys.to(q.dtype), values.to(q.dtype)
-            if t == 1 and self.fast:
+            if t == 1 and fast:
                 out[offset] = kernels.decode_attention(q[offset], keys, values, self.head_dim ** -0.5)
             else:
                 out[sl] = self._attend(q[sl], keys, values, mask)

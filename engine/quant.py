@@ -41,7 +41,7 @@ class Linear(nn.Module):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: str):
         super().__init__()
         self.dtype = dtype
-        self.max_kernel_rows = KERNEL_MAX_ROWS[dtype] if kernels.available() else 0
+        self.max_kernel_rows = KERNEL_MAX_ROWS[dtype]
         if dtype == "int8":
             q, scale = quantize_int8(weight)
             self.register_buffer("weight", q)
@@ -62,7 +62,7 @@ class Linear(nn.Module):
         return self.weight[ids].float() * self.scale[ids, None]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() == 2 and x.shape[0] <= self.max_kernel_rows:
+        if x.dim() == 2 and x.shape[0] <= self.max_kernel_rows and kernels.usable():
             return kernels.linear_rows(x, self.weight, self.scale, self.bias)
         if self.scale is None:
             return F.linear(x, self.weight, self.bias)

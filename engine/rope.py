@@ -68,12 +68,12 @@ def rope_table(rope: RopeConfig, head_dim: int, max_positions: int) -> tuple[tor
     return angles.cos() * attention, angles.sin() * attention
 
 
-def rotate_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
-    """apply_rope in place, by tandem's kernel where it is built."""
-    if kernels.available():
-        kernels.rope_(x, cos, sin)
-    else:
-        x.copy_(apply_rope(x, cos, sin))
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """apply_rope; in place, by tandem's kernel, where it is usable (inference)."""
+    if not kernels.usable():
+        return apply_rope(x, cos, sin)
+    kernels.rope_(x, cos, sin)
+    return x
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -82,7 +82,8 @@ def test_huge_page_block_keeps_every_weight():
     assert all(b - a == 1024 * 576 for a, b in zip(addresses, addresses[1:]))  # one block, in order
     assert all(torch.equal(layer.weight, w) for layer, w in zip(layers, before))
     x = torch.randn(2, 576)
-    assert torch.equal(layers[0](x), kernels.linear_rows(x, before[0], layers[0].scale, None))
+    with torch.inference_mode():  # the kernels serve inference; autograd takes torch's ops
+        assert torch.equal(layers[0](x), kernels.linear_rows(x, before[0], layers[0].scale, None))
 
 
 @pytest.mark.parametrize("dtype", ["f32", "int8"])
@@ -92,6 +93,7 @@ def test_model_gives_the_same_logits_without_the_kernels(tmp_path, monkeypatch, 
     c = files.config
     tokens = list(range(3, 23))
 
+    @torch.inference_mode()
     def logits() -> torch.Tensor:
         model = Transformer(c, files.load_tensors(), dtype, max_positions=64)
         cache = KVCache(c.num_layers, 1, 64, c.num_kv_heads, c.head_dim)
@@ -103,3 +105,16 @@ def test_model_gives_the_same_logits_without_the_kernels(tmp_path, monkeypatch, 
     with_kernels = logits()
     monkeypatch.setattr(kernels, "available", lambda: False)
     torch.testing.assert_close(with_kernels, logits(), rtol=0, atol=1e-4)
+
+
+def test_training_takes_torchs_ops_and_gets_gradients():
+    layer = quant.Linear(torch.randn(8, 16), None, "f32")
+    norm_weight = torch.ones(16, requires_grad=True)
+    x = torch.randn(2, 16, requires_grad=True)
+    y = layer(x) * 2  # 2 rows: the kernel's size, yet grad mode must route around it
+    y.sum().backward()
+    assert x.grad is not None and torch.count_nonzero(x.grad) > 0
+    cos, sin = torch.ones(2, 16), torch.zeros(2, 16)
+    out = rope.rotate(x.view(2, 1, 16) * norm_weight, cos, sin)
+    out.sum().backward()
+    assert norm_weight.grad is not None
