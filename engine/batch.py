@@ -1,9 +1,11 @@
 """ForwardBatch: everything one forward pass needs, built once per engine step."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+
+NO_ROWS = torch.empty(0, dtype=torch.long)
 
 
 @dataclass
@@ -20,16 +22,25 @@ class ForwardBatch:
     token_ids: torch.Tensor  # [N] all rows' tokens, concatenated
     positions: torch.Tensor  # [N]
     masks: list[torch.Tensor | None]  # per row [T, start+T] causal mask, None when T == 1
+    # The rows of one token (decode without drafts), which attention takes all in one call
+    # (left empty, every row attends on its own):
+    decode_index: torch.Tensor = field(default_factory=lambda: NO_ROWS)  # [D] their index into the N tokens
+    decode_slots: torch.Tensor = field(default_factory=lambda: NO_ROWS)  # [D]
+    decode_positions: torch.Tensor = field(default_factory=lambda: NO_ROWS)  # [D] each attends to 0 .. its position
 
     @classmethod
     def build(cls, rows: list[Row]) -> "ForwardBatch":
-        tokens, positions, masks = [], [], []
+        tokens, positions, masks, decode = [], [], [], []
         for row in rows:
             n = len(row.tokens)
+            if n == 1:
+                decode.append((len(tokens), row.slot, row.start))
             tokens.extend(row.tokens)
             positions.extend(range(row.start, row.start + n))
             masks.append(None if n == 1 else causal_mask(row.start, n))
-        return cls(rows, torch.tensor(tokens, dtype=torch.long), torch.tensor(positions, dtype=torch.long), masks)
+        index, slots, starts = (torch.tensor(c, dtype=torch.long) for c in zip(*decode)) if decode else (NO_ROWS,) * 3
+        return cls(rows, torch.tensor(tokens, dtype=torch.long), torch.tensor(positions, dtype=torch.long), masks,
+                   index, slots, starts)
 
     @property
     def num_tokens(self) -> int:

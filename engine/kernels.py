@@ -84,6 +84,8 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     _ops().rope_(x, cos, sin)
 
 
-def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """One query per head, q [H, D], against k, v [KVH, L, D] -> [H, D]."""
-    return _ops().decode_attention(q, k, v, scale)
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
+                     lengths: torch.Tensor, scale: float) -> torch.Tensor:
+    """One query per row and head, q [R, H, D], against the first lengths[r] positions of slot
+    slots[r] of a cache layer k, v [S, KVH, C, D] -> [R, H, D]."""
+    return _ops().decode_attention(q, k, v, slots, lengths, scale)

@@ -105,6 +105,18 @@ class KVCache:
         """Views [kv_heads, length, head_dim] of the slot's first `length` positions."""
         return self.k[layer][slot, :, :length], self.v[layer][slot, :, :length]
 
+    def slot_major(self, layer: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The layer's K and V storage, each [slots, kv_heads, ctx, head_dim], when both hold floats
+        of `dtype` (a batched decode kernel then reads them in place); None when they do not."""
+        k, v = self.k[layer], self.v[layer]
+        return (k, v) if isinstance(k, torch.Tensor) and k.dtype == dtype and v.dtype == dtype else None
+
+    def write_tokens(self, layer: int, slots: torch.Tensor, positions: torch.Tensor, k: torch.Tensor,
+                     v: torch.Tensor) -> None:
+        """One token per row: k, v [R, kv_heads, head_dim] at positions[r] of slots[r]."""
+        self.k[layer][slots, :, positions] = k
+        self.v[layer][slots, :, positions] = v
+
 
 class PagePool:
     """Which pages of a shared pool each slot holds, in position order. Pure bookkeeping."""
@@ -201,6 +213,10 @@ class PagedKVCache:
             rows = self._index[slot][start:end]
             self.k[layer].index_copy_(1, rows, k.to(self.k[layer].dtype))
             self.v[layer].index_copy_(1, rows, v.to(self.v[layer].dtype))
+
+    def slot_major(self, layer: int, dtype: torch.dtype) -> None:
+        """Pages are not slot-major: decode rows attend one by one, through `read`."""
+        return None
 
     def read(self, layer: int, slot: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """[kv_heads, length, head_dim]: a view when the slot's pages are contiguous, else a gather."""

@@ -77,22 +77,26 @@ class Attention(nn.Module):
             qk = torch.cat([self.q_norm(qk[:, :heads]), self.k_norm(qk[:, heads:])], dim=1)
         qk = rotate(qk, cos, sin)  # q and k in one pass
         q, k, v = qk[:, :heads], qk[:, heads:], qkv[:, heads + self.kv_heads:]
-        cache_dtype = cache.k[layer].dtype
         out = torch.empty_like(q)
-        fast = kernels.usable()
+        # Rows of one token go through one kernel call when the cache is slot-major floats of q's
+        # dtype; the others (prompt chunks, verify rows, paged or q8_0 caches) attend row by row.
+        store = cache.slot_major(layer, q.dtype) if kernels.usable() and len(batch.decode_index) else None
+        if store is not None:
+            i, slots, positions = batch.decode_index, batch.decode_slots, batch.decode_positions
+            cache.write_tokens(layer, slots, positions, k[i], v[i])
+            out[i] = kernels.decode_attention(q[i], *store, slots, positions + 1, self.head_dim ** -0.5)
+        cache_dtype = cache.k[layer].dtype
         offset = 0
         for row, mask in zip(batch.rows, batch.masks):
             t = len(row.tokens)
             sl = slice(offset, offset + t)
+            offset += t
+            if t == 1 and store is not None:
+                continue
             cache.write(layer, row.slot, row.start, k[sl].transpose(0, 1).to(cache_dtype),
                         v[sl].transpose(0, 1).to(cache_dtype))
             keys, values = cache.read(layer, row.slot, row.start + t)
-            keys, values = keys.to(q.dtype), values.to(q.dtype)
-            if t == 1 and fast:
-                out[offset] = kernels.decode_attention(q[offset], keys, values, self.head_dim ** -0.5)
-            else:
-                out[sl] = self._attend(q[sl], keys, values, mask)
-            offset += t
+            out[sl] = self._attend(q[sl], keys.to(q.dtype), values.to(q.dtype), mask)
         return self.o_proj(out.view(n, heads * self.head_dim))
 
     def _attend(self, q, keys, values, mask) -> torch.Tensor:

@@ -1,10 +1,12 @@
-// tandem::decode_attention: one query token of every head against a slot's cached keys and values.
+// tandem::decode_attention: the single query token of each decode row, all heads, against its
+// slot's cached keys and values, every row of the step in one call.
 //
-// At decode a row has a single query, so attention is a few small dot products per head; torch's
-// scaled_dot_product_attention spends most of its time setting up for a tiled prefill. Grouped
-// heads read their kv head directly (head h uses kv head h / group), with no repeated K/V.
+// At decode a row has one query, so attention is a few small dot products per head; torch's
+// scaled_dot_product_attention spends most of its time setting up for a tiled prefill, once per
+// row. Grouped heads read their kv head directly (head h uses kv head h / group), no repeated K/V.
 //
-// q [H, D]; k, v [KVH, L, D] (unit stride along D: views of the cache); scores and the softmax in f32.
+// q [R, H, D]; k, v: the layer's cache [S, KVH, C, D]; row r reads slot slots[r], positions
+// 0 .. lengths[r]-1. Scores and the softmax in f32.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -16,19 +18,21 @@
 namespace {
 
 template <typename T>
-void attend(const T* q, const T* k, const T* v, T* out, int64_t H, int64_t KVH, int64_t L, int64_t D,
-            int64_t q_stride, int64_t kv_head_stride, int64_t kv_pos_stride, float scale) {
-  const int64_t group = H / KVH;
-  at::parallel_for(0, KVH, std::max<int64_t>(1, 65536 / (L * D * group)), [&](int64_t begin, int64_t end) {
-    // Per kv head: its `group` query heads, their scores [group, L] and outputs [group, D].
-    std::vector<float> qf(group * D), acc(group * D), scores(group * L);
-    for (int64_t g = begin; g < end; ++g) {
-      const T* kh = k + g * kv_head_stride;
-      const T* vh = v + g * kv_head_stride;
-      for (int64_t j = 0; j < group; ++j)
-        for (int64_t i = 0; i < D; ++i) qf[j * D + i] = static_cast<float>(q[(g * group + j) * q_stride + i]) * scale;
+void attend(const T* q, const T* k, const T* v, T* out, const int64_t* slots, const int64_t* lengths, int64_t R,
+            int64_t H, int64_t KVH, int64_t D, int64_t slot_stride, int64_t kv_head_stride, float scale) {
+  const int64_t group = H / KVH, max_len = *std::max_element(lengths, lengths + R);
+  // One work item per (row, kv head): its `group` query heads, scores [group, L], outputs [group, D].
+  const int64_t grain = std::max<int64_t>(1, 65536 / (max_len * D * group));
+  at::parallel_for(0, R * KVH, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(group * D), acc(group * D), scores(group * max_len);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t r = item / KVH, g = item % KVH, L = lengths[r];
+      const T* kh = k + slots[r] * slot_stride + g * kv_head_stride;
+      const T* vh = v + slots[r] * slot_stride + g * kv_head_stride;
+      const T* qg = q + (r * H + g * group) * D;
+      for (int64_t i = 0; i < group * D; ++i) qf[i] = static_cast<float>(qg[i]) * scale;
       for (int64_t l = 0; l < L; ++l) {  // each key is read once for the whole group
-        const T* kl = kh + l * kv_pos_stride;
+        const T* kl = kh + l * D;
         for (int64_t j = 0; j < group; ++j) {
           const float* qj = qf.data() + j * D;
           float dot = 0.f;
@@ -37,7 +41,6 @@ void attend(const T* q, const T* k, const T* v, T* out, int64_t H, int64_t KVH, 
           scores[j * L + l] = dot;
         }
       }
-      std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t j = 0; j < group; ++j) {
         float* sj = scores.data() + j * L;
         const float top = *std::max_element(sj, sj + L);
@@ -45,8 +48,9 @@ void attend(const T* q, const T* k, const T* v, T* out, int64_t H, int64_t KVH, 
         for (int64_t l = 0; l < L; ++l) total += sj[l] = std::exp(sj[l] - top);
         for (int64_t l = 0; l < L; ++l) sj[l] /= total;
       }
+      std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t l = 0; l < L; ++l) {  // and each value once
-        const T* vl = vh + l * kv_pos_stride;
+        const T* vl = vh + l * D;
         for (int64_t j = 0; j < group; ++j) {
           float* aj = acc.data() + j * D;
           const float p = scores[j * L + l];
@@ -54,26 +58,35 @@ void attend(const T* q, const T* k, const T* v, T* out, int64_t H, int64_t KVH, 
           for (int64_t i = 0; i < D; ++i) aj[i] += p * static_cast<float>(vl[i]);
         }
       }
-      for (int64_t j = 0; j < group; ++j)
-        for (int64_t i = 0; i < D; ++i) out[(g * group + j) * D + i] = static_cast<T>(acc[j * D + i]);
+      T* o = out + (r * H + g * group) * D;
+      for (int64_t i = 0; i < group * D; ++i) o[i] = static_cast<T>(acc[i]);
     }
   });
 }
 
-at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale) {
-  TORCH_CHECK(q.dim() == 2 && k.dim() == 3 && v.sizes() == k.sizes() && q.size(1) == k.size(2),
-              "decode_attention: q [H, D], k and v [KVH, L, D] expected, got ", q.sizes(), ", ", k.sizes(), ", ",
-              v.sizes());
-  TORCH_CHECK(k.strides() == v.strides() && q.stride(1) == 1 && k.stride(2) == 1,
-              "decode_attention: unit stride along D, and k and v laid out alike");
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& slots,
+                            const at::Tensor& lengths, double scale) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 4 && v.sizes() == k.sizes() && q.size(2) == k.size(3),
+              "decode_attention: q [R, H, D], k and v [S, KVH, C, D] expected, got ", q.sizes(), ", ", k.sizes(),
+              ", ", v.sizes());
+  TORCH_CHECK(k.is_contiguous() && v.is_contiguous(), "decode_attention: k and v must be whole, contiguous caches");
   TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(),
               "decode_attention: q, k and v in one dtype");
-  const int64_t H = q.size(0), D = q.size(1), KVH = k.size(0), L = k.size(1);
-  TORCH_CHECK(H % KVH == 0 && L > 0, "decode_attention: kv heads must divide heads; at least one key");
-  at::Tensor out = at::empty({H, D}, q.options());
+  const int64_t R = q.size(0), H = q.size(1), D = q.size(2), S = k.size(0), KVH = k.size(1), C = k.size(2);
+  TORCH_CHECK(H % KVH == 0, "decode_attention: kv heads (", KVH, ") must divide heads (", H, ")");
+  TORCH_CHECK(slots.numel() == R && lengths.numel() == R, "decode_attention: one slot and one length per row");
+  const at::Tensor s = slots.to(at::kLong).contiguous(), n = lengths.to(at::kLong).contiguous();
+  const int64_t* sp = s.data_ptr<int64_t>();
+  const int64_t* np = n.data_ptr<int64_t>();
+  for (int64_t r = 0; r < R; ++r)
+    TORCH_CHECK(sp[r] >= 0 && sp[r] < S && np[r] >= 1 && np[r] <= C, "decode_attention: row ", r, " reads slot ",
+                sp[r], " length ", np[r], " outside a cache of ", S, " slots x ", C);
+  const at::Tensor qc = q.contiguous();
+  at::Tensor out = at::empty_like(qc);
+  if (R == 0) return out;
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "decode_attention", [&] {
-    attend(q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), H, KVH,
-           L, D, q.stride(0), k.stride(0), k.stride(1), static_cast<float>(scale));
+    attend(qc.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), sp, np,
+           R, H, KVH, D, k.stride(0), k.stride(1), static_cast<float>(scale));
   });
   return out;
 }
@@ -81,7 +94,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(tandem, m) {
-  m.def("decode_attention(Tensor q, Tensor k, Tensor v, float scale) -> Tensor");
+  m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor slots, Tensor lengths, float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tandem, CPU, m) { m.impl("decode_attention", decode_attention); }

@@ -64,14 +64,24 @@ def test_rope_in_place_on_a_strided_view(dtype, tol):
     assert torch.equal(qkv[:, 5:], before[:, 5:])  # v untouched
 
 
-@pytest.mark.parametrize("heads, kv_heads, length", [(9, 3, 1), (9, 3, 200), (16, 8, 37), (4, 4, 1500)])
-def test_decode_attention_matches_sdpa(heads, kv_heads, length):
-    d = 64
-    q = torch.randn(heads, d)
-    cache_k, cache_v = torch.randn(kv_heads, length + 10, d), torch.randn(kv_heads, length + 10, d)
-    k, v = cache_k[:, :length], cache_v[:, :length]  # views of a longer cache, as the engine passes
-    ref = F.scaled_dot_product_attention(q.view(kv_heads, heads // kv_heads, 1, d), k[:, None], v[:, None])
-    torch.testing.assert_close(kernels.decode_attention(q, k, v, d ** -0.5), ref.reshape(heads, d), rtol=0, atol=1e-5)
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("heads, kv_heads", [(9, 3), (16, 8), (4, 4)])
+def test_decode_attention_matches_sdpa_row_by_row(heads, kv_heads, dtype, tol):
+    d, slots, ctx = 64, 4, 1600
+    cache_k, cache_v = torch.randn(slots, kv_heads, ctx, d).to(dtype), torch.randn(slots, kv_heads, ctx, d).to(dtype)
+    rows_slot, rows_len = torch.tensor([2, 0, 3, 1]), torch.tensor([1, 200, 37, 1500])
+    q = torch.randn(4, heads, d).to(dtype)
+    out = kernels.decode_attention(q, cache_k, cache_v, rows_slot, rows_len, d ** -0.5)
+    for r, (s, n) in enumerate(zip(rows_slot.tolist(), rows_len.tolist())):
+        k, v = cache_k[s, :, :n].float(), cache_v[s, :, :n].float()
+        ref = F.scaled_dot_product_attention(q[r].float().view(kv_heads, heads // kv_heads, 1, d), k[:, None], v[:, None])
+        torch.testing.assert_close(out[r].float(), ref.reshape(heads, d), rtol=0, atol=tol)
+
+
+def test_decode_attention_refuses_a_row_outside_the_cache():
+    cache = torch.zeros(2, 1, 8, 4)
+    with pytest.raises(RuntimeError, match="row 0 reads slot 2 length 3"):
+        kernels.decode_attention(torch.zeros(1, 1, 4), cache, cache, torch.tensor([2]), torch.tensor([3]), 0.5)
 
 
 def test_huge_page_block_keeps_every_weight():
