@@ -128,3 +128,11 @@ def test_training_takes_torchs_ops_and_gets_gradients():
     out = rope.rotate(x.view(2, 1, 16) * norm_weight, cos, sin)
     out.sum().backward()
     assert norm_weight.grad is not None
+
+
+def test_kernels_serve_plain_inference_only():
+    with torch.inference_mode():
+        assert kernels.usable()
+        with torch.autocast("cpu", dtype=torch.bfloat16):  # mixed dtypes: torch's ops follow autocast
+            assert not kernels.usable()
+    assert not kernels.usable()  # gradients wanted
