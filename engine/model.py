@@ -83,6 +83,8 @@ class Attention(nn.Module):
         store = cache.slot_major(layer, q.dtype) if kernels.usable() and len(batch.decode_index) else None
         if store is not None:
             i, slots, positions = batch.decode_index, batch.decode_slots, batch.decode_positions
+            if len(i) == n:  # every row decodes: views, not gathers
+                i = slice(None)
             cache.write_tokens(layer, slots, positions, k[i], v[i])
             out[i] = kernels.decode_attention(q[i], *store, slots, positions + 1, self.head_dim ** -0.5)
         cache_dtype = cache.k[layer].dtype
