@@ -49,8 +49,9 @@ def available() -> bool:
         pass
     try:
         from torch.utils.cpp_extension import load
-        load(name=_build_name(), sources=[str(s) for s in SOURCES], extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
-             is_python_module=False, verbose=False)
+        # -fopenmp: at::parallel_for runs on torch's own OpenMP pool (one runtime, same SONAME).
+        load(name=_build_name(), sources=[str(s) for s in SOURCES], extra_cflags=["-O3", "-march=native", "-fopenmp"],
+             extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
         return True
     except Exception as e:  # no compiler, no headers: torch's kernels still give the same results
         log.warning("tandem kernels unavailable, using torch's (slower at decode): %s", e)
