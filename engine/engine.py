@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine import kernels
 from engine.batch import ForwardBatch
 from engine.drafter import SpecConfig, Span, check_draft_files, load_drafter
 from engine.errors import ConfigError
@@ -141,6 +142,9 @@ class Engine:
         if config.spec is not None:
             check_draft_files(config.spec, mc)
         t0 = time.perf_counter()
+        # Build (or find) the CPU kernels now, not in the first request's forward: the server
+        # reports healthy only after load, and a first build takes about a minute.
+        log.info("CPU kernels: %s", "ready" if kernels.available() else "unavailable, torch's ops instead")
         tensors = files.load_tensors()
         model = Transformer(mc, tensors, config.dtype,
                             max_positions=max(config.ctx_per_slot, mc.max_position_embeddings))
