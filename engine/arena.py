@@ -1,4 +1,4 @@
-"""Weights on huge pages: one 2 MiB-aligned block of memory holds every linear weight of a model.
+"""Weights on huge pages: one 2 MiB-aligned block of memory holds every weight of a model.
 
 Decode reads every weight once per step, so the whole model streams through the TLB: with 4 KiB
 pages a 135M-parameter model spans tens of thousands of pages and the page walks cost 10-15% of a
@@ -24,8 +24,7 @@ def _padded(nbytes: int) -> int:
 def move_to_huge_pages(module: nn.Module, buffer_name: str = "weight") -> None:
     """Copies the `buffer_name` buffer of every submodule that has one into one block of memory
     on huge pages, replacing the buffer by a view of the block (same values, same dtype)."""
-    owners = [m for m in module.modules() if isinstance(getattr(m, buffer_name, None), torch.Tensor)
-              and buffer_name in m._buffers]
+    owners = [m for m in module.modules() if m._buffers.get(buffer_name) is not None]
     total = sum(_padded(m._buffers[buffer_name].nbytes) for m in owners)
     if total < HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE"):
         return

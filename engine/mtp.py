@@ -22,11 +22,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from engine.arena import move_to_huge_pages
 from engine.batch import ForwardBatch
 from engine.config import ModelConfig
 from engine.errors import ConfigError
 from engine.model import DecoderLayer, RMSNorm
-from engine.arena import move_to_huge_pages
 from engine.quant import Linear, compute_dtype
 from engine.rope import rope_table
 
