@@ -7,7 +7,7 @@ import signal
 import httpx
 import pytest
 
-from tests.proxy.conftest import alive, pids_with, sse_events, tiny_profile, wait_until
+from tests.proxy.conftest import LONG_STREAM, alive, pids_with, sse_events, tiny_profile, wait_until
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +34,7 @@ def test_server_that_fails_to_start_gives_a_failed_job_with_its_reason_and_no_le
 def test_upstream_killed_mid_stream_ends_the_stream_with_an_error_and_restarts(proxy):
     assert proxy.job("load", "crashy")["status"] == "succeeded"
     [before] = proxy.replicas("crashy")
-    body = {"model": "crashy", "prompt": "x", "max_tokens": 900, "ignore_eos": True, "stream": True}
+    body = {"model": "crashy", "prompt": "x", "max_tokens": LONG_STREAM, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", proxy.url + "/v1/completions", json=body, timeout=60) as r:
         lines = r.iter_lines()
         wait_until(lambda: next(lines).startswith("data: "), 30, "the first event")
@@ -55,7 +55,7 @@ def test_exclusive_group_swaps_models_with_recorded_jobs(proxy):
     """Loading y unloads x first; x's stream outlasts x's 1 s drain timeout and is cut off with a reason."""
     assert proxy.job("load", "x")["status"] == "succeeded"
     [x] = proxy.replicas("x")
-    body = {"model": "x", "prompt": "x", "max_tokens": 900, "ignore_eos": True, "stream": True}
+    body = {"model": "x", "prompt": "x", "max_tokens": LONG_STREAM, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", proxy.url + "/v1/completions", json=body, timeout=60) as r:
         lines = r.iter_lines()
         wait_until(lambda: next(lines).startswith("data: "), 30, "the first event")

@@ -10,7 +10,7 @@ import time
 import httpx
 import pytest
 
-from tests.proxy.conftest import alive, sse_events, tiny_profile, wait_until
+from tests.proxy.conftest import LONG_STREAM, alive, sse_events, tiny_profile, wait_until
 
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "Say something."}], "temperature": 0,
         "max_tokens": 12, "stream": True}
@@ -111,7 +111,7 @@ def test_client_disconnect_frees_the_upstream_slot(proxy):
     def processing() -> int:
         return sum(s["is_processing"] for s in httpx.get(f"http://127.0.0.1:{port}/slots").json())
 
-    body = {"model": "tiny", "prompt": "go on", "max_tokens": 900, "ignore_eos": True, "stream": True}
+    body = {"model": "tiny", "prompt": "go on", "max_tokens": LONG_STREAM, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", proxy.url + "/v1/completions", json=body, timeout=60) as r:
         lines = r.iter_lines()
         wait_until(lambda: next(lines).startswith("data: "), 30, "the first event")
@@ -122,7 +122,7 @@ def test_client_disconnect_frees_the_upstream_slot(proxy):
 
 
 def test_a_queued_request_leaves_the_queue_when_its_client_disconnects(proxy):
-    body = {"model": "tiny", "prompt": "busy", "max_tokens": 900, "ignore_eos": True, "stream": True}
+    body = {"model": "tiny", "prompt": "busy", "max_tokens": LONG_STREAM, "ignore_eos": True, "stream": True}
 
     def depth() -> int:
         return next(m for m in proxy.client.get("/running").json()["models"] if m["model"] == "tiny")["queue_depth"]
