@@ -27,20 +27,24 @@ class ForwardBatch:
     decode_index: torch.Tensor = field(default_factory=lambda: NO_ROWS)  # [D] their index into the N tokens
     decode_slots: torch.Tensor = field(default_factory=lambda: NO_ROWS)  # [D]
     decode_positions: torch.Tensor = field(default_factory=lambda: NO_ROWS)  # [D] each attends to 0 .. its position
+    # Each token's slot, [N]: with causal masks every token is a row of its own (model.fused_layers).
+    # Left empty by a batch built by hand with other masks, which then runs layer by layer.
+    slots: torch.Tensor = field(default_factory=lambda: NO_ROWS)
 
     @classmethod
     def build(cls, rows: list[Row]) -> "ForwardBatch":
-        tokens, positions, masks, decode = [], [], [], []
+        tokens, positions, masks, decode, slots = [], [], [], [], []
         for row in rows:
             n = len(row.tokens)
             if n == 1:
                 decode.append((len(tokens), row.slot, row.start))
             tokens.extend(row.tokens)
+            slots.extend([row.slot] * n)
             positions.extend(range(row.start, row.start + n))
             masks.append(None if n == 1 else causal_mask(row.start, n))
-        index, slots, starts = (torch.tensor(c, dtype=torch.long) for c in zip(*decode)) if decode else (NO_ROWS,) * 3
+        index, decode_slots, starts = (torch.tensor(c, dtype=torch.long) for c in zip(*decode)) if decode else (NO_ROWS,) * 3
         return cls(rows, torch.tensor(tokens, dtype=torch.long), torch.tensor(positions, dtype=torch.long), masks,
-                   index, slots, starts)
+                   index, decode_slots, starts, torch.tensor(slots, dtype=torch.long))
 
     @property
     def num_tokens(self) -> int:

@@ -16,7 +16,8 @@ from pathlib import Path
 import torch
 
 log = logging.getLogger(__name__)
-SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.cpp"))
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = sorted(CSRC.glob("*.cpp"))
 
 
 def _cpu_flags() -> str:
@@ -32,7 +33,7 @@ def _cpu_flags() -> str:
 def _build_name() -> str:
     # -march=native code must not be reused on another CPU: the CPU's flags are part of the name.
     digest = hashlib.sha256(_cpu_flags().encode())
-    for source in SOURCES:
+    for source in sorted(CSRC.glob("*.[ch]*")):  # the header too: every source includes it
         digest.update(source.read_bytes())
     return f"tandem_kernels_{digest.hexdigest()[:12]}"
 
@@ -91,3 +92,12 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: t
     """One query per row and head, q [R, H, D], against the first lengths[r] positions of slot
     slots[r] of a cache layer k, v [S, KVH, C, D] -> [R, H, D]."""
     return _ops().decode_attention(q, k, v, slots, lengths, scale)
+
+
+def decoder_layers(x: torch.Tensor, weights: list[torch.Tensor | None], k_cache: list[torch.Tensor],
+                   v_cache: list[torch.Tensor], slots: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
+                   sin: torch.Tensor, heads: int, kv_heads: int, eps: float) -> torch.Tensor:
+    """Decoder layers over x [N, hidden], each token a row at positions[n] of slot slots[n]: it
+    writes its K/V there and attends causally to its slot. weights: each layer's kernel_weights,
+    concatenated; k_cache, v_cache: each layer's [S, KVH, C, D]; cos, sin [N, D]."""
+    return _ops().decoder_layers(x, weights, k_cache, v_cache, slots, positions, cos, sin, heads, kv_heads, eps)

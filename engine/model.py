@@ -1,9 +1,12 @@
 """The decoder-only transformer shared by the Llama, Mistral, Qwen2 and Qwen3 families.
 
 Tokens of all rows of a step run through the linear layers together as one [N, hidden] matrix;
-attention runs per row, over views of that row's slot in the KV cache.
+attention runs per row, over views of that row's slot in the KV cache. A step of a few tokens
+(decode, verify) runs every layer in one call of tandem's kernel instead (`fused_layers`).
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -142,6 +145,35 @@ class DecoderLayer(nn.Module):
         x = x + self.self_attn(self.input_layernorm(x), batch, cos, sin, cache, self.index)
         return x + self.mlp(self.post_attention_layernorm(x))
 
+    @functools.cached_property
+    def kernel_weights(self) -> list[torch.Tensor | None]:
+        """The layer's tensors in the order tandem's decoder_layers kernel reads them."""
+        a, m = self.self_attn, self.mlp
+        norms = [a.q_norm.weight, a.k_norm.weight] if a.q_norm is not None else [None, None]
+        return [self.input_layernorm.weight, *_linear(a.qkv_proj), *norms, *_linear(a.o_proj),
+                self.post_attention_layernorm.weight, *_linear(m.gate_up_proj), *_linear(m.down_proj)]
+
+
+def _linear(layer: Linear) -> list[torch.Tensor | None]:
+    return [layer.weight, layer.scale, layer.bias]
+
+
+def fused_layers(layers: list[DecoderLayer], x: torch.Tensor, batch: ForwardBatch, cos: torch.Tensor,
+                 sin: torch.Tensor, cache: KVCache) -> torch.Tensor | None:
+    """The layers over x [N, hidden] in one kernel call, when the step is a few tokens (at most the
+    linear kernel's row limit) on a slot-major cache of the compute dtype; None when it is not.
+    cos, sin: [N, head_dim]."""
+    first = layers[0]
+    if not kernels.usable() or len(batch.slots) != batch.num_tokens \
+            or batch.num_tokens > first.self_attn.qkv_proj.max_kernel_rows \
+            or cache.slot_major(first.index, x.dtype) is None:
+        return None
+    a = first.self_attn
+    weights = [w for layer in layers for w in layer.kernel_weights]
+    return kernels.decoder_layers(x, weights, [cache.k[layer.index] for layer in layers],
+                                  [cache.v[layer.index] for layer in layers], batch.slots, batch.positions, cos, sin,
+                                  a.heads, a.kv_heads, first.input_layernorm.eps)
+
 
 class Transformer(nn.Module):
     """Built from f32 tensors under HF names; `dtype` is the weight format (f32, bf16, int8)."""
@@ -173,8 +205,11 @@ class Transformer(nn.Module):
         """Runs the batch, writing its K/V into the cache. Returns hidden states after the final
         norm, [N, hidden]: the vectors that feed the lm_head (and the MTP draft)."""
         x = self.embed_tokens(batch.token_ids)
-        cos = self.cos[batch.positions].unsqueeze(1)  # [N, 1, head_dim]
-        sin = self.sin[batch.positions].unsqueeze(1)
+        cos, sin = self.cos[batch.positions], self.sin[batch.positions]  # [N, head_dim]
+        fused = fused_layers(self.layers, x, batch, cos, sin, cache)
+        if fused is not None:
+            return self.norm(fused)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [N, 1, head_dim]
         for layer in self.layers:
             x = layer(x, batch, cos, sin, cache)
         return self.norm(x)

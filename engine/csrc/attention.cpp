@@ -11,6 +11,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "tandem.h"
+
 #include <algorithm>
 #include <cmath>
 #include <vector>
@@ -76,6 +78,10 @@ void attend(const T* q, const T* k, const T* v, T* out, const int64_t* slots, co
   });
 }
 
+}  // namespace
+
+namespace tandem {
+
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& slots,
                             const at::Tensor& lengths, double scale) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 4 && v.sizes() == k.sizes() && q.size(2) == k.size(3),
@@ -103,10 +109,10 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   return out;
 }
 
-}  // namespace
+}  // namespace tandem
 
 TORCH_LIBRARY_FRAGMENT(tandem, m) {
   m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor slots, Tensor lengths, float scale) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(tandem, CPU, m) { m.impl("decode_attention", decode_attention); }
+TORCH_LIBRARY_IMPL(tandem, CPU, m) { m.impl("decode_attention", tandem::decode_attention); }

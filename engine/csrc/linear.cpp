@@ -10,6 +10,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "tandem.h"
+
 #include <cstdint>
 
 #ifdef __AVX512F__
@@ -133,6 +135,10 @@ void run(const W* w, const float* x, int64_t M, int64_t N, int64_t K, const floa
   });
 }
 
+}  // namespace
+
+namespace tandem {
+
 at::Tensor linear_rows(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& scale,
                        const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1),
@@ -158,10 +164,10 @@ at::Tensor linear_rows(const at::Tensor& x, const at::Tensor& weight, const c10:
   return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
 }
 
-}  // namespace
+}  // namespace tandem
 
 TORCH_LIBRARY_FRAGMENT(tandem, m) {
   m.def("linear_rows(Tensor x, Tensor weight, Tensor? scale, Tensor? bias) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(tandem, CPU, m) { m.impl("linear_rows", linear_rows); }
+TORCH_LIBRARY_IMPL(tandem, CPU, m) { m.impl("linear_rows", tandem::linear_rows); }

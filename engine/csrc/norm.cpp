@@ -7,6 +7,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "tandem.h"
+
 #include <cmath>
 
 namespace {
@@ -29,6 +31,10 @@ void rms_norm_rows(const T* x, const T* w, T* out, int64_t rows, int64_t H, floa
   });
 }
 
+}  // namespace
+
+namespace tandem {
+
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   const int64_t H = x.size(-1);
   TORCH_CHECK(weight.numel() == H && weight.scalar_type() == x.scalar_type(),
@@ -42,8 +48,8 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   return out;
 }
 
-}  // namespace
+}  // namespace tandem
 
 TORCH_LIBRARY_FRAGMENT(tandem, m) { m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor"); }
 
-TORCH_LIBRARY_IMPL(tandem, CPU, m) { m.impl("rms_norm", rms_norm); }
+TORCH_LIBRARY_IMPL(tandem, CPU, m) { m.impl("rms_norm", tandem::rms_norm); }

@@ -6,6 +6,8 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
+#include "tandem.h"
+
 namespace {
 
 template <typename T>
@@ -26,6 +28,10 @@ void rope_rows(T* x, const T* cos, const T* sin, int64_t N, int64_t H, int64_t D
   }
 }
 
+}  // namespace
+
+namespace tandem {
+
 void rope_(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin) {
   TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1, "rope_: x [N, H, D] with unit stride along D expected");
   const int64_t N = x.size(0), H = x.size(1), D = x.size(2);
@@ -38,8 +44,8 @@ void rope_(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin) {
   });
 }
 
-}  // namespace
+}  // namespace tandem
 
 TORCH_LIBRARY_FRAGMENT(tandem, m) { m.def("rope_(Tensor(a!) x, Tensor cos, Tensor sin) -> ()"); }
 
-TORCH_LIBRARY_IMPL(tandem, CPU, m) { m.impl("rope_", rope_); }
+TORCH_LIBRARY_IMPL(tandem, CPU, m) { m.impl("rope_", tandem::rope_); }
