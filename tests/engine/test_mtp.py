@@ -87,3 +87,19 @@ def test_a_file_that_is_not_a_draft_is_refused(tmp_path):
         mtp.read_header(tmp_path / "plain.safetensors")
     with pytest.raises(ConfigError, match="does not exist"):
         mtp.read_header(tmp_path / "missing.safetensors")
+
+
+@pytest.mark.parametrize("dtype, draft_weights", [("f32", torch.int8), ("int8", torch.int8), ("bf16", torch.bfloat16)])
+def test_the_draft_streams_int8_weights_beside_a_target_computing_in_f32(target, tmp_path, dtype, draft_weights):
+    # It only proposes, so its precision cannot change the output; its weights are read once per
+    # drafted token, and int8 reads a quarter of f32's bytes. Its activations stay in the target's dtype.
+    from engine.drafter import SpecConfig, load_drafter
+    from engine.model import Transformer
+    config, tensors, fingerprint = target
+    save_draft(tmp_path / "draft.safetensors", config, tensors, fingerprint)
+    spec = SpecConfig(type="draft-mtp", draft_model=str(tmp_path / "draft.safetensors"))
+    model = Transformer(config, tensors, dtype, max_positions=64)
+    drafter = load_drafter(spec, model, tensors, dtype, slots=1, ctx_per_slot=64)
+    layer = drafter.model.layers[0]
+    assert layer.eh_proj.weight.dtype == drafter.model.head.weight.dtype == draft_weights
+    assert drafter.cache.k[0].dtype == model.compute_dtype
