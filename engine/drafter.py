@@ -9,6 +9,7 @@ they were drawn from, when the request samples).
 """
 from __future__ import annotations
 
+import itertools
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -68,18 +69,21 @@ class Span:
     hidden: torch.Tensor
 
 
-def _choose_draft(logits: torch.Tensor, req: Request, vocab_ids: torch.Tensor | None, vocab: int):
-    """A draft token from one row of drafter logits (over `vocab_ids` when given), its top-1
-    probability, and, when the request samples, the full-vocabulary distribution it came from."""
-    top = float(torch.softmax(logits, -1).max())
-    if req.params.greedy:
-        i = int(logits.argmax())
-        return (int(vocab_ids[i]) if vocab_ids is not None else i), top, None
-    full = logits
-    if vocab_ids is not None:
-        full = torch.full((vocab,), -math.inf).index_copy_(0, vocab_ids, logits)
-    q = distribution(full, req.params)
-    return int(torch.multinomial(q, 1, generator=req.generator)), top, q
+def _choose_drafts(logits: torch.Tensor, reqs: list[Request], vocab_ids: torch.Tensor | None, vocab: int):
+    """A draft token from each row of drafter logits [R, V'] (over `vocab_ids` when given), for
+    reqs[r]: (token, its top-1 probability, and when the request samples the full-vocabulary
+    distribution the token came from)."""
+    top, best = torch.softmax(logits, -1).max(-1)  # one pass for the whole batch, greedy or not
+    ids = (vocab_ids[best] if vocab_ids is not None else best).tolist()
+    out = []
+    for row, req, token, p in zip(logits, reqs, ids, top.tolist()):
+        if req.params.greedy:
+            out.append((token, p, None))
+            continue
+        full = row if vocab_ids is None else torch.full((vocab,), -math.inf).index_copy_(0, vocab_ids, row)
+        q = distribution(full, req.params)
+        out.append((int(torch.multinomial(q, 1, generator=req.generator)), p, q))
+    return out
 
 
 def _finish_drafts(req: Request, tokens: list[int], qs: list, n_min: int) -> None:
@@ -131,27 +135,27 @@ class CachedDrafter(ABC):
         rows, hiddens = zip(*(self.catch_up_rows(s) for s in spans))
         hidden = torch.cat(hiddens) if hiddens[0] is not None else None
         state, logits = self.run(1, list(rows), hidden)
-        ends = ForwardBatch.build(list(rows)).last_token_indices()
-        active = []  # (request, tokens, qs, limit, position of the next draft row)
-        for span, row, end in zip(spans, rows, ends.tolist()):
+        ends = itertools.accumulate(len(row.tokens) for row in rows)
+        active = []  # (request, tokens, qs, limit, position of the next draft row, its logits row)
+        for span, row, end in zip(spans, rows, ends):
             req = span.request
             if req.prefilling:
                 continue
             limit = min(self.spec.n_max, room[req.slot])
-            active.append([req, [], [], limit, row.start + len(row.tokens), end])
-        depth = 1
-        while True:
+            active.append([req, [], [], limit, row.start + len(row.tokens), end - 1])
+        # Each depth drafts for the requests still going: a request leaves when its draft is as
+        # long as its limit or the draft's confidence falls below p_min.
+        going, depth = [item for item in active if item[3] > 0], 1
+        while going:
+            rows_at = torch.tensor([item[5] for item in going])
+            choices = _choose_drafts(logits[rows_at], [item[0] for item in going], self.vocab_ids, self.vocab)
             still = []
-            for item in active:
-                req, tokens, qs, limit, _, at = item
-                if len(tokens) >= limit:
-                    continue
-                token, top, q = _choose_draft(logits[at], req, self.vocab_ids, self.vocab)
+            for item, (token, top, q) in zip(going, choices):
                 if top < self.spec.p_min:
                     continue
-                tokens.append(token)
-                qs.append(q)
-                if len(tokens) < limit:
+                item[1].append(token)
+                item[2].append(q)
+                if len(item[1]) < item[3]:
                     still.append(item)
             if not still:
                 break
@@ -161,6 +165,7 @@ class CachedDrafter(ABC):
             state, logits = self.run(depth, rows, prev)
             for j, item in enumerate(still):
                 item[5] = j
+            going = still
         for req, tokens, qs, *_ in active:
             _finish_drafts(req, tokens, qs, self.spec.n_min)
 

@@ -11,7 +11,7 @@ from engine.batch import ForwardBatch, Row
 from engine.drafter import SpecConfig
 from engine.engine import Engine, EngineConfig
 from engine.sampling import SamplingParams
-from tests.engine.test_generation import chat_ids, run_alone
+from tests.engine.test_generation import chat_ids, run_alone, run_together
 from tests.exact_tokens import assert_same_greedy
 
 PROMPTS = [
@@ -67,6 +67,22 @@ def test_speculative_greedy_equals_plain_greedy(request, plain_greedy, reference
     assert len(speculative) == len(plain) == 128
     assert_same_greedy(speculative, plain, ids, reference_logits)
     assert steps[-1].request.draft_n > 0, "the drafter never proposed anything: nothing was verified"
+
+
+def test_slots_that_stop_drafting_at_different_depths_keep_their_own_drafts(plain_greedy, reference_logits):
+    # p_min 0.5, the server's default: each step some slots stop drafting early (an unsure draft)
+    # while others go on, so each depth drafts for a different set of slots.
+    spec = SpecConfig(type="draft-mtp", draft_model=str(MTP_DRAFT), n_max=3, p_min=0.5)
+    engine = Engine.load(EngineConfig(model="default", ctx_size=3 * 1024, parallel=3, spec=spec))
+    prompts = PROMPTS[:3]
+    together = run_together(engine, [plain_greedy(p)[0] for p in prompts], GREEDY)
+    for prompt, speculative in zip(prompts, together):
+        ids, plain = plain_greedy(prompt)
+        assert len(speculative) == len(plain) == 128
+        assert_same_greedy(speculative, plain, ids, reference_logits)
+    drafted, accepted = engine.stats.drafted_at, engine.stats.accepted_at
+    assert sum(drafted) > sum(accepted) > 0
+    assert drafted[0] > drafted[2], "no draft stopped early: p_min never split the slots"
 
 
 def test_rejected_drafts_leave_exactly_the_accepted_tokens_in_the_cache(ngram_engine):
