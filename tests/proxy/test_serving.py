@@ -90,7 +90,9 @@ def test_six_concurrent_requests_never_exceed_two_in_flight_at_the_server(proxy)
                 time.sleep(0.02)
 
     def one(i: int) -> int:
-        body = {"model": "tiny", "prompt": f"request {i}", "max_tokens": 24, "ignore_eos": True}
+        # Long enough that the watcher, polling every 20 ms, sees the slots busy (24 tokens took
+        # the tiny model under 20 ms once decode ran in one kernel call).
+        body = {"model": "tiny", "prompt": f"request {i}", "max_tokens": LONG_STREAM // 4, "ignore_eos": True}
         return httpx.post(proxy.url + "/v1/completions", json=body, timeout=120).status_code
 
     watcher = threading.Thread(target=watch_slots)
