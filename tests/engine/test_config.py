@@ -116,6 +116,16 @@ def test_compress_ratios_list_trunk_layers_then_mtp_layers(tiny_dirs, tmp_path):
     assert open_model(path).config.layer_ratios == (4, 0, 4)
 
 
+def test_an_engine_refuses_qsa_layers_it_would_otherwise_run_dense(tiny_dirs, tmp_path, monkeypatch):
+    from engine.engine import Engine, EngineConfig
+    path = copy_with(tiny_dirs["llama"], tmp_path / "m", compress_ratios=[0, 4, 4], qsa_budget=64)
+    files = type(open_model(path))
+    monkeypatch.setattr(files, "load_tensors", lambda self: pytest.fail("tensor data was read"))
+    with pytest.raises(ConfigError, match=r"compress_ratios: layers \[1, 2\] are QSA layers \(ratio 4\); this "
+                                          r"engine serves dense attention only"):
+        Engine.load(EngineConfig(model=str(path), ctx_size=64))
+
+
 def test_missing_tensor_is_named(tiny_dirs, tmp_path):
     path = copy_with(tiny_dirs["llama"], tmp_path / "m")
     shapes = shapes_of(path)
