@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import signal
 import sys
 
 import uvicorn
@@ -82,5 +81,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+    # SIGPIPE stays ignored (Python's default): a write to a client or a log reader that has gone
+    # must raise EPIPE in that one place, not kill the process and every stream in it.
     sys.exit(main())
