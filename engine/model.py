@@ -161,12 +161,14 @@ def _linear(layer: Linear) -> list[torch.Tensor | None]:
 def fused_layers(layers: list[DecoderLayer], x: torch.Tensor, batch: ForwardBatch, cos: torch.Tensor,
                  sin: torch.Tensor, cache: KVCache) -> torch.Tensor | None:
     """The layers over x [N, hidden] in one kernel call, when the step is a few tokens (at most the
-    linear kernel's row limit) on a slot-major cache of the compute dtype; None when it is not.
+    linear kernel's row limit) on a slot-major cache of the compute dtype; None when it is not, or
+    when a layer has hooks (engine.train_mtp watches one): those run module by module.
     cos, sin: [N, head_dim]."""
     first = layers[0]
     if not kernels.usable() or len(batch.slots) != batch.num_tokens \
             or batch.num_tokens > first.self_attn.qkv_proj.max_kernel_rows \
-            or cache.slot_major(first.index, x.dtype) is None:
+            or cache.slot_major(first.index, x.dtype) is None \
+            or any(layer._forward_pre_hooks or layer._forward_hooks for layer in layers):
         return None
     a = first.self_attn
     weights = [w for layer in layers for w in layer.kernel_weights]

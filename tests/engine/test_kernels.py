@@ -180,6 +180,16 @@ def test_whole_layer_kernel_leaves_hand_built_masks_to_the_layer_by_layer_path(t
         assert model_module.fused_layers(model.layers, x, by_hand, cos, sin, cache) is None
 
 
+def test_a_layer_with_a_hook_runs_module_by_module(tmp_path):
+    # engine.train_mtp measures the residual stream with a pre-hook on the last layer.
+    model, cache = tiny_llama(tmp_path, 16)
+    seen = []
+    model.layers[-1].register_forward_pre_hook(lambda m, args: seen.append(args[0].shape))
+    with torch.inference_mode():
+        model(ForwardBatch.build([Row(0, 0, [3, 4, 5])]), cache)
+    assert seen == [torch.Size([3, model.config.hidden_size])]
+
+
 def test_whole_layer_kernel_refuses_a_row_outside_the_cache(tmp_path):
     model, cache = tiny_llama(tmp_path, 8)
     batch = ForwardBatch.build([Row(0, 8, [3])])  # position 8 of an 8-position slot
