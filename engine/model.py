@@ -177,6 +177,19 @@ def fused_layers(layers: list[DecoderLayer], x: torch.Tensor, batch: ForwardBatc
                                   a.heads, a.kv_heads, first.input_layernorm.eps)
 
 
+def run_layers(layers: list[DecoderLayer], x: torch.Tensor, batch: ForwardBatch, cos: torch.Tensor,
+               sin: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    """x [N, hidden] through the layers: in one kernel call where `fused_layers` takes the step,
+    else module by module. cos, sin: [N, head_dim]."""
+    fused = fused_layers(layers, x, batch, cos, sin, cache)
+    if fused is not None:
+        return fused
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [N, 1, head_dim]
+    for layer in layers:
+        x = layer(x, batch, cos, sin, cache)
+    return x
+
+
 class Transformer(nn.Module):
     """Built from f32 tensors under HF names; `dtype` is the weight format (f32, bf16, int8)."""
 
@@ -207,14 +220,7 @@ class Transformer(nn.Module):
         """Runs the batch, writing its K/V into the cache. Returns hidden states after the final
         norm, [N, hidden]: the vectors that feed the lm_head (and the MTP draft)."""
         x = self.embed_tokens(batch.token_ids)
-        cos, sin = self.cos[batch.positions], self.sin[batch.positions]  # [N, head_dim]
-        fused = fused_layers(self.layers, x, batch, cos, sin, cache)
-        if fused is not None:
-            return self.norm(fused)
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [N, 1, head_dim]
-        for layer in self.layers:
-            x = layer(x, batch, cos, sin, cache)
-        return self.norm(x)
+        return self.norm(run_layers(self.layers, x, batch, self.cos[batch.positions], self.sin[batch.positions], cache))
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

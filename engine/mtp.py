@@ -26,7 +26,7 @@ from engine.arena import move_to_huge_pages
 from engine.batch import ForwardBatch
 from engine.config import ModelConfig
 from engine.errors import ConfigError
-from engine.model import DecoderLayer, RMSNorm, fused_layers
+from engine.model import DecoderLayer, RMSNorm, run_layers
 from engine.quant import Linear, compute_dtype
 from engine.rope import rope_table
 
@@ -132,7 +132,5 @@ class MTPDraft(nn.Module):
         [N, H], subset logits [N, K] f32)."""
         layer = self.layers[self.layer_for_depth(depth)]
         x = layer.eh_proj(torch.cat([layer.enorm(embeddings), layer.hnorm(hidden)], dim=-1))
-        cos, sin = self.cos[batch.positions], self.sin[batch.positions]  # [N, head_dim]
-        fused = fused_layers([layer.block], x, batch, cos, sin, cache)
-        x = fused if fused is not None else layer.block(x, batch, cos.unsqueeze(1), sin.unsqueeze(1), cache)
+        x = run_layers([layer.block], x, batch, self.cos[batch.positions], self.sin[batch.positions], cache)
         return x, self.head(layer.norm(x)).float()
