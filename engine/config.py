@@ -131,6 +131,16 @@ def _validate_compression(c: ModelConfig) -> None:
                f"qsa_budget={c.qsa_budget}: must be a positive multiple of the compress ratio {ratio}")
 
 
+def check_servable(c: ModelConfig, where: str = "") -> None:
+    """Refuses QSA layers, which the engine cannot run yet: a config naming them is valid (and
+    engine.validate summarises it), but serving those layers as dense attention would be wrong.
+    `where` prefixes the message (e.g. which flag named the model)."""
+    qsa = [i for i, ratio in enumerate(c.layer_ratios) if ratio]
+    if qsa:
+        raise ConfigError(f"{where}compress_ratios: layers {qsa} are QSA layers (ratio {c.layer_ratios[qsa[0]]}); "
+                          "this engine serves dense attention only (compress ratio 0), QSA is not implemented")
+
+
 def _get(d: dict, key: str, default=None):
     value = d.get(key)
     return default if value is None else value

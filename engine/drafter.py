@@ -18,7 +18,7 @@ import torch
 
 from engine import mtp
 from engine.batch import ForwardBatch, Row
-from engine.config import ModelConfig
+from engine.config import ModelConfig, check_servable
 from engine.errors import ConfigError
 from engine.kv_cache import KVCache
 from engine.model import Transformer
@@ -216,6 +216,7 @@ def check_draft_files(spec: SpecConfig, target: ModelConfig) -> None:
             mtp.check_compatible(header, spec.draft_model, target, "")
     elif spec.type == "draft-simple":
         files = open_model(spec.draft_model)
+        check_servable(files.config, f"spec_draft_model={spec.draft_model!r}: ")
         if files.config.vocab_size != target.vocab_size:
             raise ConfigError(f"spec_draft_model={spec.draft_model!r}: vocabulary of {files.config.vocab_size} "
                               f"tokens differs from the target's {target.vocab_size}")

@@ -16,6 +16,7 @@ import torch
 
 from engine import kernels
 from engine.batch import ForwardBatch
+from engine.config import check_servable
 from engine.drafter import SpecConfig, Span, check_draft_files, load_drafter
 from engine.errors import ConfigError
 from engine.kv_cache import KV_DTYPES, KVCache, PagedKVCache
@@ -135,10 +136,7 @@ class Engine:
             torch.set_num_threads(config.threads)
         files = open_model(config.model)  # headers only: every config error is raised here
         mc = files.config
-        qsa = [i for i, ratio in enumerate(mc.layer_ratios) if ratio]
-        if qsa:  # a valid config (engine.validate summarises it), but serving it dense would be wrong
-            raise ConfigError(f"compress_ratios: layers {qsa} are QSA layers (ratio {mc.layer_ratios[qsa[0]]}); "
-                              f"this engine serves dense attention only (compress ratio 0), QSA is not implemented")
+        check_servable(mc)
         if config.ctx_per_slot > mc.max_position_embeddings:
             log.warning("ctx per slot %d exceeds the model's trained context %d",
                         config.ctx_per_slot, mc.max_position_embeddings)

@@ -126,6 +126,14 @@ def test_an_engine_refuses_qsa_layers_it_would_otherwise_run_dense(tiny_dirs, tm
         Engine.load(EngineConfig(model=str(path), ctx_size=64))
 
 
+def test_a_draft_model_with_qsa_layers_is_refused_before_its_weights_are_read(tiny_dirs, tmp_path):
+    from engine.drafter import SpecConfig, check_draft_files
+    path = copy_with(tiny_dirs["llama"], tmp_path / "m", compress_ratios=[4, 0, 0], qsa_budget=64)
+    spec = SpecConfig(type="draft-simple", draft_model=str(path))
+    with pytest.raises(ConfigError, match=rf"spec_draft_model='{path}': compress_ratios: layers \[0\] are QSA"):
+        check_draft_files(spec, open_model(tiny_dirs["llama"]).config)
+
+
 def test_missing_tensor_is_named(tiny_dirs, tmp_path):
     path = copy_with(tiny_dirs["llama"], tmp_path / "m")
     shapes = shapes_of(path)
