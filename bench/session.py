@@ -72,7 +72,12 @@ class Session:
             round_start = time.perf_counter() - t0
             self._tasks = [asyncio.create_task(self._lane(run, lane, ids, t0, round_start, on_record))
                            for lane, ids in enumerate(prompts)]
-            await asyncio.gather(*self._tasks)
+            for outcome in await asyncio.gather(*self._tasks, return_exceptions=True):
+                # A lane cancelled by interrupt() before its first step never sent its request and
+                # leaves no record; anything else that went wrong is the caller's to see.
+                if isinstance(outcome, BaseException) and not (
+                        self.interrupted and isinstance(outcome, asyncio.CancelledError)):
+                    raise outcome
         return self.records
 
     def interrupt(self) -> None:

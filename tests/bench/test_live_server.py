@@ -16,6 +16,7 @@ import pytest
 
 from bench.client import completion_body, stream_completion, tokenize
 from bench.records import INTERRUPTED, read_jsonl
+from bench.session import Session
 from bench.workload import Workload
 from tests.server.helpers import ROOT
 
@@ -128,3 +129,20 @@ def test_ctrl_c_keeps_every_record_and_marks_the_summary(tiny_server, cli_sessio
     assert summary["interrupted"] and summary["records"] == len(records) < 30
     assert all(r.valid or r.invalid_reason == INTERRUPTED for r in records)
     assert summary["invalid"] in ({}, {INTERRUPTED: len(records) - summary["valid"]})
+
+
+def test_an_interrupt_before_a_rounds_requests_start_ends_the_session_cleanly(tiny_server):
+    """Ctrl-C can land after a round's lanes are scheduled and before any of them runs: those
+    requests were never sent, so they leave no record, and the session still ends as interrupted
+    instead of raising CancelledError out of run()."""
+    async def interrupt_at_round_start():
+        async with Session(tiny_server.url, "tiny", Workload(PROMPT, 4, lanes=2, runs=3)) as session:
+            await session.prepare()
+            runner = asyncio.create_task(session.run())
+            while not session._tasks:  # run() has scheduled round 0; no lane has taken a step
+                await asyncio.sleep(0)
+            session.interrupt()
+            return session, await asyncio.wait_for(runner, 60)
+
+    session, records = asyncio.run(interrupt_at_round_start())
+    assert session.interrupted and records == []
