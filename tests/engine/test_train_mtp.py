@@ -1,0 +1,52 @@
+"""`python -m engine.train_mtp` end to end on a tiny target: it generates its data through the engine,
+trains, evaluates on held-out answers and writes a draft file that the engine then serves."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from engine.drafter import SpecConfig
+from engine.engine import Engine, EngineConfig
+from engine.sampling import SamplingParams
+from engine.tiny import write_tiny_model
+from engine.train_mtp import Data
+from tests.engine.test_generation import run_alone
+from tests.server.helpers import ROOT
+
+CONFIGS = ROOT / "configs" / "tiny"
+PROMPTS, HELDOUT, MAX_TOKENS = 12, 4, 20
+
+
+def test_a_run_generates_trains_and_writes_a_draft_the_engine_serves(tmp_path: Path):
+    model = write_tiny_model(json.loads((CONFIGS / "llama.json").read_text()), tmp_path / "target")
+    out, data = tmp_path / "draft.safetensors", tmp_path / "data.pt"
+    # int8 generation in 4 slots: the fast path that made the committed draft's later data.
+    cmd = [sys.executable, "-m", "engine.train_mtp", "--model", str(model), "--out", str(out), "--data", str(data),
+           "--prompts", str(PROMPTS), "--heldout", str(HELDOUT), "--max-tokens", str(MAX_TOKENS),
+           "--text-tokens", "0", "--subset", "64", "--minutes", "0.1", "--depth2", "1.0", "--depth2-after", "0.5",
+           "--dtype", "int8", "--parallel", "4", "--threads", "1"]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+    cached = Data.load(str(data))
+    assert (cached.prompts, len(cached.train), len(cached.heldout)) == (PROMPTS, PROMPTS, HELDOUT)
+    for s in cached.train + cached.heldout:  # labels: the answer shifted by one, -1 over the prompt
+        answer = s.labels[s.labels >= 0]
+        assert 0 < len(answer) <= MAX_TOKENS
+        assert torch.equal(answer[:-1], s.next_ids[-len(answer) + 1:][:len(answer) - 1])
+    record = json.loads(out.with_suffix(".json").read_text())
+    assert record["train"]["steps"] > 0
+    assert record["heldout"]["positions"] == sum(int((s.labels >= 0).sum()) for s in cached.heldout)
+    assert 0 <= record["heldout"]["accept1"] <= 1 and record["heldout"]["coverage"] > 0
+
+    plain = Engine.load(EngineConfig(model=str(model), ctx_size=256))
+    spec = SpecConfig(type="draft-mtp", draft_model=str(out), n_max=3, p_min=0.0)
+    speculative = Engine.load(EngineConfig(model=str(model), ctx_size=256, spec=spec))
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    prompt = plain.tokenizer.encode("the tide comes in")
+    assert run_alone(speculative, prompt, params) == run_alone(plain, prompt, params)
+    assert sum(speculative.stats.drafted_at) > 0  # the draft proposed, and the target kept its own answer
