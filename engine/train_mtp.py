@@ -178,7 +178,7 @@ def collect(engine: Engine, args) -> Data:
             top = engine.model.logits(s.hidden[1:]).argmax(-1)
         s.labels = torch.cat([top, torch.tensor([-1])]).clone()
     keep = [s for s in rest if s is not None and (s.labels >= 0).any()]
-    texts = sum(s is not None and (s.labels >= 0).any() for s in rest[:len(texts)])
+    texts = sum(s is not None and bool((s.labels >= 0).any()) for s in rest[:len(texts)])
     return Data(keep, [s for s in heldout if s is not None], len(keep) - texts, len(heldout), texts, time.perf_counter() - t0)
 
 

@@ -13,12 +13,14 @@ from engine.drafter import SpecConfig
 from engine.engine import Engine, EngineConfig
 from engine.sampling import SamplingParams
 from engine.tiny import write_tiny_model
-from engine.train_mtp import Data
+from engine.tokenizer import Tokenizer
+from engine.train_mtp import Data, licence_chunks
+from engine.weights import open_model
 from tests.engine.test_generation import run_alone
 from tests.server.helpers import ROOT
 
 CONFIGS = ROOT / "configs" / "tiny"
-PROMPTS, HELDOUT, MAX_TOKENS = 12, 4, 20
+PROMPTS, HELDOUT, MAX_TOKENS, TEXT_TOKENS = 12, 4, 20, 600
 
 
 def test_a_run_generates_trains_and_writes_a_draft_the_engine_serves(tmp_path: Path):
@@ -27,18 +29,21 @@ def test_a_run_generates_trains_and_writes_a_draft_the_engine_serves(tmp_path: P
     # int8 generation in 4 slots: the fast path that made the committed draft's later data.
     cmd = [sys.executable, "-m", "engine.train_mtp", "--model", str(model), "--out", str(out), "--data", str(data),
            "--prompts", str(PROMPTS), "--heldout", str(HELDOUT), "--max-tokens", str(MAX_TOKENS),
-           "--text-tokens", "0", "--subset", "64", "--minutes", "0.1", "--depth2", "1.0", "--depth2-after", "0.5",
+           "--text-tokens", str(TEXT_TOKENS), "--subset", "64", "--minutes", "0.1", "--depth2", "1.0", "--depth2-after", "0.5",
            "--dtype", "int8", "--parallel", "4", "--threads", "1"]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
 
     cached = Data.load(str(data))
-    assert (cached.prompts, len(cached.train), len(cached.heldout)) == (PROMPTS, PROMPTS, HELDOUT)
-    for s in cached.train + cached.heldout:  # labels: the answer shifted by one, -1 over the prompt
+    texts = len(licence_chunks(Tokenizer.load(open_model(str(model))), TEXT_TOKENS))
+    assert (cached.prompts, cached.text_chunks) == (PROMPTS, texts)
+    assert (len(cached.train), len(cached.heldout)) == (PROMPTS + texts, HELDOUT)
+    for s in cached.train[texts:] + cached.heldout:  # labels: the answer shifted by one, -1 over the prompt
         answer = s.labels[s.labels >= 0]
         assert 0 < len(answer) <= MAX_TOKENS
         assert torch.equal(answer[:-1], s.next_ids[-len(answer) + 1:][:len(answer) - 1])
     record = json.loads(out.with_suffix(".json").read_text())
+    assert (record["data"]["prompts"], record["data"]["text_chunks"]) == (PROMPTS, texts)
     assert record["train"]["steps"] > 0
     assert record["heldout"]["positions"] == sum(int((s.labels >= 0).sum()) for s in cached.heldout)
     assert 0 <= record["heldout"]["accept1"] <= 1 and record["heldout"]["coverage"] > 0
