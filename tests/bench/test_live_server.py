@@ -127,7 +127,7 @@ def test_ctrl_c_keeps_every_record_and_marks_the_summary(tiny_server, cli_sessio
     assert proc.returncode == 130, stderr
     summary, records = json.loads(stdout), read_jsonl(out)
     assert summary["interrupted"] and summary["records"] == len(records) < 30
-    assert all(r.valid or r.invalid_reason == INTERRUPTED for r in records)
+    assert all(r.valid or r.invalid_reason == INTERRUPTED for r in records), [r.invalid_reason for r in records]
     assert summary["invalid"] in ({}, {INTERRUPTED: len(records) - summary["valid"]})
 
 
