@@ -28,8 +28,7 @@ def fake(_fake_server) -> FakeUpstream:
     return _fake_server
 
 
-@pytest.fixture(scope="module")
-def tiny_server(tmp_path_factory):
+def _serve_tiny(tmp_path_factory):
     """`python -m server` on a tiny random model with two slots, served as 'tiny'."""
     from engine.tiny import write_tiny_model
     config = json.loads((ROOT / "configs/tiny/llama.json").read_text())
@@ -40,3 +39,16 @@ def tiny_server(tmp_path_factory):
         yield server.wait_ready()
     finally:
         server.kill()
+
+
+@pytest.fixture(scope="module")
+def tiny_server(tmp_path_factory):
+    yield from _serve_tiny(tmp_path_factory)
+
+
+@pytest.fixture
+def fresh_tiny_server(tmp_path_factory):
+    """A tiny server of its own: no earlier session's prompt waits in a slot. The byte tokenizer
+    gives a session only ~44 distinct first tokens, so against a shared server a prompt can meet a
+    cached one-token prefix and come back (rightly) invalid with cache_n=1."""
+    yield from _serve_tiny(tmp_path_factory)

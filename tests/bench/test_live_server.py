@@ -106,10 +106,10 @@ def test_a_prompt_sharing_a_cached_prefix_gives_an_invalid_record(tiny_server, c
     assert second.invalid_reason.startswith(f"cache_n={second.cache_n}: prompt tokens reused from the cache")
 
 
-def test_ctrl_c_keeps_every_record_and_marks_the_summary(tiny_server, cli_session, tmp_path):
+def test_ctrl_c_keeps_every_record_and_marks_the_summary(fresh_tiny_server, tmp_path):
     out = tmp_path / "r.jsonl"
     # 31 prompts: the byte tokenizer's pseudo-word text has about 44 distinct first tokens to give.
-    proc = subprocess.Popen(bench_cmd(tiny_server.url, out, "--runs", "15"), cwd=ROOT,
+    proc = subprocess.Popen(bench_cmd(fresh_tiny_server.url, out, "--runs", "15"), cwd=ROOT,
                             env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     try:
