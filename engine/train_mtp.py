@@ -105,7 +105,8 @@ def chat_prompts(tokenizer, n_train: int, n_heldout: int, seed: int,
         rng.shuffle(file_train)
         rng.shuffle(file_heldout)
         train += file_train
-        heldout = heldout if i else file_heldout
+        if i == 0:
+            heldout = file_heldout
     return train[:n_train], heldout[:n_heldout]
 
 
@@ -177,8 +178,8 @@ def collect(engine: Engine, args) -> Data:
         with torch.inference_mode():
             top = engine.model.logits(s.hidden[1:]).argmax(-1)
         s.labels = torch.cat([top, torch.tensor([-1])]).clone()
-    keep = [s for s in rest if s is not None and (s.labels >= 0).any()]
-    texts = sum(s is not None and bool((s.labels >= 0).any()) for s in rest[:len(texts)])
+    kept = [s is not None and bool((s.labels >= 0).any()) for s in rest]
+    keep, texts = [s for s, k in zip(rest, kept) if k], sum(kept[:len(texts)])
     return Data(keep, [s for s in heldout if s is not None], len(keep) - texts, len(heldout), texts, time.perf_counter() - t0)
 
 

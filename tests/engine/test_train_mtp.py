@@ -29,8 +29,8 @@ def test_a_run_generates_trains_and_writes_a_draft_the_engine_serves(tmp_path: P
     # int8 generation in 4 slots: the fast path that made the committed draft's later data.
     cmd = [sys.executable, "-m", "engine.train_mtp", "--model", str(model), "--out", str(out), "--data", str(data),
            "--prompts", str(PROMPTS), "--heldout", str(HELDOUT), "--max-tokens", str(MAX_TOKENS),
-           "--text-tokens", str(TEXT_TOKENS), "--subset", "64", "--minutes", "0.1", "--depth2", "1.0", "--depth2-after", "0.5",
-           "--dtype", "int8", "--parallel", "4", "--threads", "1"]
+           "--text-tokens", str(TEXT_TOKENS), "--subset", "64", "--minutes", "0.1", "--depth2", "1.0",
+           "--depth2-after", "0.5", "--dtype", "int8", "--parallel", "4", "--threads", "1"]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
 
