@@ -1,0 +1,102 @@
+"""A GGUF file in each weight type tandem promises (Q4_0, Q4_1, Q8_0, F16, F32) gives transformers'
+logits for the same file, through chunked prefill and decode: tandem dequantizes every type the
+way the reference reads it, and undoes llama.cpp's q/k row order. The files are written here, as
+llama.cpp's converter lays them out, from a tiny random Llama."""
+from __future__ import annotations
+
+import functools
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from engine.tiny import BOS_ID, EOS_ID, hf_config, random_tensors, tensor_shapes
+from engine.weights import _GGUF_GLOBAL_NAMES, _GGUF_LAYER_NAMES, open_model
+from tests.engine.test_parity import (MAX_POSITIONS, PROMPT_LEN, TOLERANCE, assert_matches, engine_logits,
+                                      load_engine_model, tiny_config)
+
+Q = gguf.GGMLQuantizationType
+TYPES = {"Q4_0": Q.Q4_0, "Q4_1": Q.Q4_1, "Q8_0": Q.Q8_0, "F16": Q.F16, "F32": Q.F32}
+CONFIG = tiny_config("llama")
+
+
+def gguf_name(hf_name: str) -> str:
+    for name, hf in _GGUF_GLOBAL_NAMES.items():
+        if hf == hf_name:
+            return name
+    layer, rest = hf_name.removeprefix("model.layers.").split(".", 1)
+    return f"blk.{layer}.{next(name for name, hf in _GGUF_LAYER_NAMES.items() if hf == rest)}"
+
+
+def llama_cpp_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """llama.cpp's converter interleaves the two RoPE halves of each q/k head."""
+    return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_gguf(path, weight_type: gguf.GGMLQuantizationType, seed: int = 0) -> None:
+    hf = hf_config(CONFIG)
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_context_length(MAX_POSITIONS)
+    writer.add_embedding_length(hf.hidden_size)
+    writer.add_block_count(hf.num_hidden_layers)
+    writer.add_feed_forward_length(hf.intermediate_size)
+    writer.add_head_count(hf.num_attention_heads)
+    writer.add_head_count_kv(hf.num_key_value_heads)
+    writer.add_rope_freq_base(hf.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(hf.rms_norm_eps)
+    writer.add_vocab_size(hf.vocab_size)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list([f"<t{i}>" for i in range(hf.vocab_size)])
+    writer.add_bos_token_id(BOS_ID)
+    writer.add_eos_token_id(EOS_ID)
+    for name, tensor in random_tensors(tensor_shapes(hf), seed).items():
+        w = tensor.numpy()
+        if name.endswith("q_proj.weight"):
+            w = llama_cpp_rows(w, hf.num_attention_heads)
+        elif name.endswith("k_proj.weight"):
+            w = llama_cpp_rows(w, hf.num_key_value_heads)
+        kind = Q.F32 if w.ndim == 1 else weight_type  # llama.cpp keeps norms in F32 whatever the type
+        writer.add_tensor(gguf_name(name), gguf.quants.quantize(w, kind), raw_dtype=kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """reference(type) -> (GGUF path, prompt then transformers' greedy continuation, its logits)."""
+    from transformers import AutoModelForCausalLM
+
+    @functools.cache
+    def make(type_name: str):
+        path = tmp_path_factory.mktemp(type_name) / f"tiny-{type_name}.gguf"
+        write_gguf(path, TYPES[type_name])
+        hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32,
+                                                  attn_implementation="eager").eval()
+        prompt = torch.randint(0, CONFIG["vocab_size"], (1, PROMPT_LEN), generator=torch.Generator().manual_seed(1))
+        with torch.no_grad():
+            tokens = hf.generate(prompt, max_new_tokens=MAX_POSITIONS - PROMPT_LEN,
+                                 min_new_tokens=MAX_POSITIONS - PROMPT_LEN, do_sample=False, pad_token_id=EOS_ID)
+            logits = hf(tokens).logits[0]
+        return path, tokens[0].tolist(), logits
+
+    return make
+
+
+@pytest.mark.parametrize("type_name", TYPES)
+def test_each_weight_type_matches_transformers(reference, type_name):
+    path, tokens, logits = reference(type_name)
+    reader = gguf.GGUFReader(str(path))
+    assert {t.tensor_type for t in reader.tensors if len(t.shape) > 1} == {TYPES[type_name]}
+    files = open_model(path)
+    assert files.format == "gguf" and files.config.num_layers == CONFIG["num_hidden_layers"]
+    assert_matches(engine_logits(load_engine_model(path), tokens), logits)
+
+
+def test_the_types_really_differ(reference):
+    # Same random weights in every file: if quantization were skipped somewhere, Q4_0 and F32 would
+    # agree, and the parity above would not show that each type's blocks are read right.
+    q4, f32 = reference("Q4_0")[2], reference("F32")[2]
+    assert (q4[:PROMPT_LEN] - f32[:PROMPT_LEN]).abs().max() > 10 * TOLERANCE
