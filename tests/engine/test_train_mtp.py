@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from engine.drafter import SpecConfig
@@ -23,14 +24,16 @@ CONFIGS = ROOT / "configs" / "tiny"
 PROMPTS, HELDOUT, MAX_TOKENS, TEXT_TOKENS = 12, 4, 20, 600
 
 
-def test_a_run_generates_trains_and_writes_a_draft_the_engine_serves(tmp_path: Path):
+# The formats that generate fast: int8 made the committed draft's later data; bf16 computes in bf16,
+# so its hidden states must go back to bf16 before the licence text is labelled.
+@pytest.mark.parametrize("dtype", ["int8", "bf16"])
+def test_a_run_generates_trains_and_writes_a_draft_the_engine_serves(tmp_path: Path, dtype: str):
     model = write_tiny_model(json.loads((CONFIGS / "llama.json").read_text()), tmp_path / "target")
     out, data = tmp_path / "draft.safetensors", tmp_path / "data.pt"
-    # int8 generation in 4 slots: the fast path that made the committed draft's later data.
     cmd = [sys.executable, "-m", "engine.train_mtp", "--model", str(model), "--out", str(out), "--data", str(data),
            "--prompts", str(PROMPTS), "--heldout", str(HELDOUT), "--max-tokens", str(MAX_TOKENS),
            "--text-tokens", str(TEXT_TOKENS), "--subset", "64", "--minutes", "0.1", "--depth2", "1.0",
-           "--depth2-after", "0.5", "--dtype", "int8", "--parallel", "4", "--threads", "1"]
+           "--depth2-after", "0.5", "--dtype", dtype, "--parallel", "4", "--threads", "1"]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
 
