@@ -12,21 +12,19 @@ import pytest
 import torch
 
 from engine.tiny import BOS_ID, EOS_ID, hf_config, random_tensors, tensor_shapes
-from engine.weights import _GGUF_GLOBAL_NAMES, _GGUF_LAYER_NAMES, open_model
+from engine.weights import _GGUF_GLOBAL_NAMES, _GGUF_LAYER_NAMES, hf_name_of_gguf, open_model
 from tests.engine.test_parity import (MAX_POSITIONS, PROMPT_LEN, TOLERANCE, assert_matches, engine_logits,
-                                      load_engine_model, tiny_config)
+                                      greedy_reference, load_engine_model, tiny_config)
 
 Q = gguf.GGMLQuantizationType
 TYPES = {"Q4_0": Q.Q4_0, "Q4_1": Q.Q4_1, "Q8_0": Q.Q8_0, "F16": Q.F16, "F32": Q.F32}
 CONFIG = tiny_config("llama")
 
 
-def gguf_name(hf_name: str) -> str:
-    for name, hf in _GGUF_GLOBAL_NAMES.items():
-        if hf == hf_name:
-            return name
-    layer, rest = hf_name.removeprefix("model.layers.").split(".", 1)
-    return f"blk.{layer}.{next(name for name, hf in _GGUF_LAYER_NAMES.items() if hf == rest)}"
+def gguf_names(num_layers: int) -> dict[str, str]:
+    """HF tensor name -> GGUF name: the inverse of the map tandem reads GGUF files with."""
+    names = [*_GGUF_GLOBAL_NAMES, *(f"blk.{i}.{n}" for i in range(num_layers) for n in _GGUF_LAYER_NAMES)]
+    return {hf_name_of_gguf(name): name for name in names}
 
 
 def llama_cpp_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -50,6 +48,7 @@ def write_gguf(path, weight_type: gguf.GGMLQuantizationType, seed: int = 0) -> N
     writer.add_token_list([f"<t{i}>" for i in range(hf.vocab_size)])
     writer.add_bos_token_id(BOS_ID)
     writer.add_eos_token_id(EOS_ID)
+    names = gguf_names(hf.num_hidden_layers)
     for name, tensor in random_tensors(tensor_shapes(hf), seed).items():
         w = tensor.numpy()
         if name.endswith("q_proj.weight"):
@@ -57,7 +56,7 @@ def write_gguf(path, weight_type: gguf.GGMLQuantizationType, seed: int = 0) -> N
         elif name.endswith("k_proj.weight"):
             w = llama_cpp_rows(w, hf.num_key_value_heads)
         kind = Q.F32 if w.ndim == 1 else weight_type  # llama.cpp keeps norms in F32 whatever the type
-        writer.add_tensor(gguf_name(name), gguf.quants.quantize(w, kind), raw_dtype=kind)
+        writer.add_tensor(names[name], gguf.quants.quantize(w, kind), raw_dtype=kind)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -75,12 +74,7 @@ def reference(tmp_path_factory):
         write_gguf(path, TYPES[type_name])
         hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32,
                                                   attn_implementation="eager").eval()
-        prompt = torch.randint(0, CONFIG["vocab_size"], (1, PROMPT_LEN), generator=torch.Generator().manual_seed(1))
-        with torch.no_grad():
-            tokens = hf.generate(prompt, max_new_tokens=MAX_POSITIONS - PROMPT_LEN,
-                                 min_new_tokens=MAX_POSITIONS - PROMPT_LEN, do_sample=False, pad_token_id=EOS_ID)
-            logits = hf(tokens).logits[0]
-        return path, tokens[0].tolist(), logits
+        return path, *greedy_reference(hf, CONFIG["vocab_size"])
 
     return make
 

@@ -90,15 +90,20 @@ def reference(tmp_path_factory):
         if case.legacy_rope:
             use_legacy_rope_keys(path)
         hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, attn_implementation="eager").eval()
-        prompt = torch.randint(0, TOKENIZER_SIZE, (1, PROMPT_LEN), generator=torch.Generator().manual_seed(1))
-        with torch.no_grad():
-            # min_new_tokens keeps the end-of-sequence token from stopping the continuation early.
-            tokens = hf.generate(prompt, max_new_tokens=DECODE_STEPS, min_new_tokens=DECODE_STEPS, do_sample=False,
-                                 pad_token_id=hf.config.eos_token_id)
-            logits = hf(tokens).logits[0]
-        return Reference(path, tokens[0].tolist(), logits)
+        return Reference(path, *greedy_reference(hf, TOKENIZER_SIZE))
 
     return make
+
+
+def greedy_reference(hf, vocab: int) -> tuple[list[int], torch.Tensor]:
+    """A seeded random prompt of ids below `vocab`, then transformers' greedy continuation of
+    DECODE_STEPS tokens; and its logits over the whole sequence at once, [len(tokens), vocab]."""
+    prompt = torch.randint(0, vocab, (1, PROMPT_LEN), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        # min_new_tokens keeps the end-of-sequence token from stopping the continuation early.
+        tokens = hf.generate(prompt, max_new_tokens=DECODE_STEPS, min_new_tokens=DECODE_STEPS, do_sample=False,
+                             pad_token_id=hf.config.eos_token_id)
+        return tokens[0].tolist(), hf(tokens).logits[0]
 
 
 def load_engine_model(path: Path) -> Transformer:
