@@ -10,12 +10,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from engine import mtp, train_mtp
 from engine.drafter import SpecConfig
 from engine.engine import Engine, EngineConfig
 from engine.sampling import SamplingParams
 from engine.tiny import write_tiny_model
 from engine.tokenizer import Tokenizer
-from engine.train_mtp import Data, licence_chunks
+from engine.train_mtp import Data, Objective, Sequence, draft_tensors, licence_chunks
 from engine.weights import open_model
 from tests.engine.test_generation import run_alone
 from tests.server.helpers import ROOT
@@ -58,3 +59,33 @@ def test_a_run_generates_trains_and_writes_a_draft_the_engine_serves(tmp_path: P
     prompt = plain.tokenizer.encode("the tide comes in")
     assert run_alone(speculative, prompt, params) == run_alone(plain, prompt, params)
     assert sum(speculative.stats.drafted_at) > 0  # the draft proposed, and the target kept its own answer
+
+
+def test_padding_a_training_sequence_leaves_its_loss_unchanged(tmp_path: Path, monkeypatch):
+    """Training pads lengths to a multiple of PAD for speed; causal attention (and depth 2's mask)
+    must keep the padded tail out of every real position's loss."""
+    model = write_tiny_model(json.loads((CONFIGS / "llama.json").read_text()), tmp_path / "target")
+    files = open_model(str(model))
+    cfg, t = files.config, files.load_tensors()
+    draft = mtp.MTPDraft(cfg, draft_tensors(cfg, t, torch.arange(64), "identity", 0, 2.0), 1, "f32", 256)
+    embed = torch.nn.Embedding.from_pretrained(t["model.embed_tokens.weight"])
+    g = torch.Generator().manual_seed(0)
+    n = 37
+    labels = torch.randint(0, 80, (n,), generator=g)  # some outside the 64-token subset
+    labels[:9] = -1  # a prompt
+    labels[-1] = -1  # the label at i is the target's argmax at i+1: none at the last position
+    seq = Sequence(torch.randn(n, cfg.hidden_size, generator=g), torch.randint(0, cfg.vocab_size, (n,), generator=g),
+                   labels)
+    to_subset = torch.full((cfg.vocab_size,), -1, dtype=torch.long)
+    to_subset[:64] = torch.arange(64)
+    obj = Objective(to_subset, draft.head.weight.clone(), depth2=1.0, soft=0.5)
+    results = {}
+    for pad in (1, 16, 64):
+        monkeypatch.setattr(train_mtp, "PAD", pad)
+        with torch.no_grad():
+            loss, labeled, hits = train_mtp.sequence_loss(draft, embed, seq, obj)
+        results[pad] = (float(loss), labeled, hits)
+    assert results[1][1] == int(((labels >= 0) & (labels < 64)).sum())
+    for pad in (16, 64):
+        assert results[pad][1:] == results[1][1:]
+        assert results[pad][0] == pytest.approx(results[1][0], rel=1e-5)
