@@ -249,6 +249,12 @@ class Objective:
     depth2: float  # weight of the depth-2 terms
     soft: float  # share of the soft term: cross-entropy to the target's distribution over the subset
 
+    @classmethod
+    def for_draft(cls, draft, depth2: float, soft: float) -> "Objective":
+        to_subset = torch.full((draft.config.vocab_size,), -1, dtype=torch.long)
+        to_subset[draft.vocab_ids] = torch.arange(len(draft.vocab_ids))
+        return cls(to_subset, draft.head.weight.detach().clone(), depth2, soft)
+
 
 def padded(seq: Sequence, multiple: int) -> Sequence:
     """`seq` with unlabeled positions appended up to a multiple of `multiple`; attention is causal,
@@ -303,9 +309,7 @@ def train(draft, embed, data: Data, args) -> dict:
     params = [b.requires_grad_(True) for n, b in draft.named_buffers()
               if n.endswith(".weight") and any(n.startswith(p) for p in trainable)]
     opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.98), weight_decay=args.weight_decay)
-    to_subset = torch.full((draft.config.vocab_size,), -1, dtype=torch.long)
-    to_subset[draft.vocab_ids] = torch.arange(len(draft.vocab_ids))
-    obj = Objective(to_subset, draft.head.weight.detach().clone(), args.depth2, args.soft)
+    obj = Objective.for_draft(draft, args.depth2, args.soft)
     rng, order = random.Random(args.seed), []
     t0, step, seen, log = time.perf_counter(), 0, 0, [0.0, 0, 0]
     while (frac := (time.perf_counter() - t0) / (60 * args.minutes)) < 1:

@@ -76,9 +76,7 @@ def test_padding_a_training_sequence_leaves_its_loss_unchanged(tmp_path: Path, m
     labels[-1] = -1  # the label at i is the target's argmax at i+1: none at the last position
     seq = Sequence(torch.randn(n, cfg.hidden_size, generator=g), torch.randint(0, cfg.vocab_size, (n,), generator=g),
                    labels)
-    to_subset = torch.full((cfg.vocab_size,), -1, dtype=torch.long)
-    to_subset[:64] = torch.arange(64)
-    obj = Objective(to_subset, draft.head.weight.clone(), depth2=1.0, soft=0.5)
+    obj = Objective.for_draft(draft, depth2=1.0, soft=0.5)
     results = {}
     for pad in (1, 16, 64):
         monkeypatch.setattr(train_mtp, "PAD", pad)
