@@ -1,11 +1,10 @@
-"""Drafters: what proposes tokens for the target to verify, behind one interface.
+"""Drafters: what proposes tokens for the target to verify, behind one interface (`Drafter`).
 
-After every engine step the engine hands each drafter the span of positions the target just
+After every engine step the engine hands the drafter the span of positions the target just
 committed for each running request (with the target's hidden states there). A drafter with a KV
 cache of its own writes the same positions, so its cache always matches the target's, and
-rollback is free: positions past the accepted ones are simply overwritten next step. For a request
-that is decoding, the drafter then sets `request.drafts` (and `request.draft_q`, the distributions
-they were drawn from, when the request samples).
+rollback is free: positions past the accepted ones are simply overwritten next step. For each
+request that is decoding, the drafter then returns a `Draft` for the next step to verify.
 """
 from __future__ import annotations
 
@@ -13,18 +12,19 @@ import itertools
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 from engine import mtp
 from engine.batch import ForwardBatch, Row
 from engine.config import ModelConfig, check_servable
-from engine.errors import ConfigError
+from engine.errors import ConfigError, check_rules
 from engine.kv_cache import KVCache
 from engine.model import Transformer
 from engine.ngram import ngram_draft
 from engine.quant import compute_dtype
-from engine.request import Request
+from engine.request import Draft, Request
 from engine.sampling import distribution
 from engine.weights import open_model
 
@@ -43,30 +43,41 @@ class SpecConfig:
     ngram_n: int = 3
 
     def __post_init__(self) -> None:
-        rules = [
-            (self.type in SPEC_TYPES.values(), "spec_type", f"must be one of {', '.join(SPEC_TYPES)}"),
-            (self.n_max >= 1, "spec_draft_n_max", "must be >= 1"),
-            (0 <= self.n_min <= self.n_max, "spec_draft_n_min", f"must be in 0..spec_draft_n_max={self.n_max}"),
-            (0 <= self.p_min <= 1 and not math.isnan(self.p_min), "spec_draft_p_min", "must be in [0, 1]"),
-            (self.ngram_n >= 1, "spec_ngram_size_n", "must be >= 1"),
-            (self.type == "ngram-simple" or self.draft_model, "spec_draft_model",
+        check_rules([
+            (self.type in SPEC_TYPES.values(), "spec_type", self.type, f"must be one of {', '.join(SPEC_TYPES)}"),
+            (self.n_max >= 1, "spec_draft_n_max", self.n_max, "must be >= 1"),
+            (0 <= self.n_min <= self.n_max, "spec_draft_n_min", self.n_min,
+             f"must be in 0..spec_draft_n_max={self.n_max}"),
+            (0 <= self.p_min <= 1 and not math.isnan(self.p_min), "spec_draft_p_min", self.p_min, "must be in [0, 1]"),
+            (self.ngram_n >= 1, "spec_ngram_size_n", self.ngram_n, "must be >= 1"),
+            (self.type == "ngram-simple" or self.draft_model, "spec_draft_model", self.draft_model,
              f"is required with spec_type={self.type}"),
-        ]
-        for ok, name, rule in rules:
-            if not ok:
-                value = {"spec_type": self.type, "spec_draft_model": self.draft_model}.get(
-                    name, getattr(self, name.replace("spec_draft_", "").replace("spec_ngram_size_n", "ngram_n"), None))
-                raise ConfigError(f"{name}={value!r}: {rule}")
+        ])
 
 
 @dataclass
 class Span:
     """Positions start .. end-1 of the request's slot were committed this step; hidden [end-start, H]
-    are the target's hidden states there (after its final norm)."""
+    are the target's hidden states there (after its final norm). `room`: the most tokens a draft
+    may hold, so that the verify row fits the slot."""
     request: Request
     start: int
     end: int
     hidden: torch.Tensor
+    room: int
+
+
+class Drafter(Protocol):
+    """Called on the engine thread once per step with a span for every running request, prompt
+    chunks included (a drafter with a cache must see every committed position). Returns a draft
+    for each request that is decoding and has one; requests left out verify nothing next step.
+    The engine owns the returned drafts, so two drafters can be asked and one draft kept per
+    request."""
+    # Whether spans must carry hidden states; such a drafter's cache entry at position i also
+    # depends on token i+1, so the engine recomputes one more position of a reused prefix.
+    needs_hidden: bool
+
+    def draft(self, spans: list[Span]) -> dict[Request, Draft]: ...
 
 
 def _choose_drafts(logits: torch.Tensor, reqs: list[Request], vocab_ids: torch.Tensor | None, vocab: int):
@@ -86,11 +97,10 @@ def _choose_drafts(logits: torch.Tensor, reqs: list[Request], vocab_ids: torch.T
     return out
 
 
-def _finish_drafts(req: Request, tokens: list[int], qs: list, n_min: int) -> None:
+def _as_draft(tokens: list[int], qs: list, n_min: int) -> Draft:
     if len(tokens) < n_min:
-        tokens, qs = [], []
-    req.drafts = tokens
-    req.draft_q = torch.stack(qs) if qs and qs[0] is not None else None
+        return Draft()
+    return Draft(tokens, torch.stack(qs) if qs and qs[0] is not None else None)
 
 
 class NgramDrafter:
@@ -99,16 +109,18 @@ class NgramDrafter:
     def __init__(self, spec: SpecConfig, vocab: int):
         self.spec, self.vocab = spec, vocab
 
-    def draft(self, spans: list[Span], room: dict[int, int]) -> None:
+    def draft(self, spans: list[Span]) -> dict[Request, Draft]:
+        drafts = {}
         for span in spans:
             req = span.request
             if req.prefilling:
                 continue
-            tokens = ngram_draft(req.all_ids, self.spec.ngram_n, min(self.spec.n_max, room[req.slot]))
+            tokens = ngram_draft(req.all_ids, self.spec.ngram_n, min(self.spec.n_max, span.room))
             # A deterministic draft is a one-hot q: the acceptance rule then keeps it with p(x).
             qs = [torch.nn.functional.one_hot(torch.tensor(t), self.vocab).float() for t in tokens] \
                 if not req.params.greedy else [None] * len(tokens)
-            _finish_drafts(req, tokens, qs, self.spec.n_min)
+            drafts[req] = _as_draft(tokens, qs, self.spec.n_min)
+        return drafts
 
 
 class CachedDrafter(ABC):
@@ -129,9 +141,9 @@ class CachedDrafter(ABC):
         """Forward of `rows`; returns (per-token state for the next depth, logits [N, V'])."""
 
     @torch.inference_mode()
-    def draft(self, spans: list[Span], room: dict[int, int]) -> None:
+    def draft(self, spans: list[Span]) -> dict[Request, Draft]:
         if not spans:
-            return
+            return {}
         rows, hiddens = zip(*(self.catch_up_rows(s) for s in spans))
         hidden = torch.cat(hiddens) if hiddens[0] is not None else None
         state, logits = self.run(1, list(rows), hidden)
@@ -141,7 +153,7 @@ class CachedDrafter(ABC):
             req = span.request
             if req.prefilling:
                 continue
-            limit = min(self.spec.n_max, room[req.slot])
+            limit = min(self.spec.n_max, span.room)
             active.append([req, [], [], limit, row.start + len(row.tokens), end - 1])
         # Each depth drafts for the requests still going: a request leaves when its draft is as
         # long as its limit or the draft's confidence falls below p_min.
@@ -166,8 +178,7 @@ class CachedDrafter(ABC):
             for j, item in enumerate(still):
                 item[5] = j
             going = still
-        for req, tokens, qs, *_ in active:
-            _finish_drafts(req, tokens, qs, self.spec.n_min)
+        return {req: _as_draft(tokens, qs, self.spec.n_min) for req, tokens, qs, *_ in active}
 
 
 class MTPDrafter(CachedDrafter):
@@ -222,7 +233,8 @@ def check_draft_files(spec: SpecConfig, target: ModelConfig) -> None:
                               f"tokens differs from the target's {target.vocab_size}")
 
 
-def load_drafter(spec: SpecConfig, target_model, target_tensors: dict, dtype: str, slots: int, ctx_per_slot: int):
+def load_drafter(spec: SpecConfig, target_model, target_tensors: dict, dtype: str, slots: int,
+                 ctx_per_slot: int) -> Drafter:
     """The drafter for `spec`, with its own cache where it keeps one."""
     config = target_model.config
     if spec.type == "ngram-simple":

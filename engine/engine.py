@@ -17,14 +17,14 @@ import torch
 from engine import kernels
 from engine.batch import ForwardBatch
 from engine.config import check_servable
-from engine.drafter import SpecConfig, Span, check_draft_files, load_drafter
-from engine.errors import ConfigError
+from engine.drafter import Drafter, SpecConfig, Span, check_draft_files, load_drafter
+from engine.errors import ConfigError, check_rules
 from engine.kv_cache import KV_DTYPES, KVCache, PagedKVCache
 from engine.model import Transformer
 from engine.quant import DTYPES
-from engine.request import Request, Status, StepOutput
+from engine.request import Draft, Request, Status, StepOutput
 from engine.sampling import SamplingParams, adjust_logits, choose, distribution, make_generator
-from engine.scheduler import Scheduler
+from engine.scheduler import PlannedRow, Scheduler
 from engine.speculative import Verdict, accept_greedy, accept_sampled
 from engine.tokenizer import Tokenizer
 from engine.weights import ModelFiles, open_model
@@ -48,23 +48,21 @@ class EngineConfig:
     spec: SpecConfig | None = None
 
     def __post_init__(self) -> None:
-        rules = [
-            (self.dtype in DTYPES, "dtype", f"must be one of {', '.join(DTYPES)}"),
-            (self.cache_type is None or self.cache_type in KV_DTYPES, "cache_type",
-             f"must be one of {', '.join(KV_DTYPES)}"),
-            (self.cache_type_v is None or self.cache_type_v in KV_DTYPES, "cache_type_v",
-             f"must be one of {', '.join(KV_DTYPES)}"),
-            (not self.kv_unified or self.ctx_size >= PagedKVCache.PAGE_SIZE, "ctx_size",
+        kv_types = f"must be one of {', '.join(KV_DTYPES)}"
+        check_rules([
+            (self.dtype in DTYPES, "dtype", self.dtype, f"must be one of {', '.join(DTYPES)}"),
+            (self.cache_type is None or self.cache_type in KV_DTYPES, "cache_type", self.cache_type, kv_types),
+            (self.cache_type_v is None or self.cache_type_v in KV_DTYPES, "cache_type_v", self.cache_type_v,
+             kv_types),
+            (not self.kv_unified or self.ctx_size >= PagedKVCache.PAGE_SIZE, "ctx_size", self.ctx_size,
              f"must be at least {PagedKVCache.PAGE_SIZE} with kv_unified"),
-            (self.parallel >= 1, "parallel", "must be >= 1"),
-            (self.ctx_size >= self.parallel, "ctx_size", f"must be at least parallel={self.parallel}"),
-            (self.ubatch_size >= 1, "ubatch_size", "must be >= 1"),
-            (self.batch_size >= self.parallel, "batch_size", f"must be at least parallel={self.parallel}"),
-            (self.threads is None or self.threads >= 1, "threads", "must be >= 1"),
-        ]
-        for ok, name, rule in rules:
-            if not ok:
-                raise ConfigError(f"{name}={getattr(self, name)!r}: {rule}")
+            (self.parallel >= 1, "parallel", self.parallel, "must be >= 1"),
+            (self.ctx_size >= self.parallel, "ctx_size", self.ctx_size, f"must be at least parallel={self.parallel}"),
+            (self.ubatch_size >= 1, "ubatch_size", self.ubatch_size, "must be >= 1"),
+            (self.batch_size >= self.parallel, "batch_size", self.batch_size,
+             f"must be at least parallel={self.parallel}"),
+            (self.threads is None or self.threads >= 1, "threads", self.threads, "must be >= 1"),
+        ])
 
     @property
     def ctx_per_slot(self) -> int:
@@ -127,7 +125,7 @@ class Engine:
     _wake: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
     _stopping: bool = False
-    drafter: object | None = None  # a drafter from engine.drafter, when speculation is on
+    drafter: Drafter | None = None  # when speculation is on
     stats: EngineStats = field(default_factory=EngineStats)
 
     @classmethod
@@ -258,7 +256,6 @@ class Engine:
                 log.exception("engine step failed; finishing the running requests with an error")
                 for req in self.scheduler.running + list(self.scheduler.waiting):
                     self._finish(req, "error")
-                    req.on_output(StepOutput(req, [], True))
 
     def _drain_inbox(self) -> None:
         while not self._inbox.empty():
@@ -267,56 +264,58 @@ class Engine:
                 self.scheduler.add(req)
             elif req.status is not Status.FINISHED:
                 self._finish(req, "cancelled")
-                req.on_output(StepOutput(req, [], True))
 
     def step(self) -> None:
-        """One forward over every active slot: prompt chunks, and for each decoding slot its last
-        token plus any drafts to verify. Then the tokens each slot gains, then the next drafts."""
+        """One engine step: plan the rows, run them in one forward, then apply each row's result
+        to its request (tokens verified, emitted, committed), then draft for the next step."""
         plan = self.scheduler.plan(time.perf_counter())
         for req in plan.preempted:
             self._finish(req, "length")
-            req.on_output(StepOutput(req, [], True))
-        planned = plan.rows
-        if not planned:
+        if not plan.rows:
             return
         self.stats.steps += 1
-        self.stats.busy_slots += len(planned)
-        batch = ForwardBatch.build([p.row for p in planned])
-        hidden = self.model(batch, self.cache)
-        # Logits for every position of a decode row (each verifies a draft) and the last of a prompt.
-        starts = batch.last_token_indices() + 1 - torch.tensor([len(p.row.tokens) for p in planned])
-        index, first = [], []
-        for p, start in zip(planned, starts.tolist()):
-            first.append(len(index))
-            if p.samples:
-                n = len(p.row.tokens) if not p.request.prefilling else 1
-                index.extend(range(start + len(p.row.tokens) - n, start + len(p.row.tokens)))
-        logits = self.model.logits(hidden[torch.tensor(index)]) if index else None
-        now = time.perf_counter()
-        spans = []
-        for p, start, at in zip(planned, starts.tolist(), first):
-            req = p.request
-            if not p.samples:
-                self.scheduler.commit(req, p.row.tokens)
-            elif req.prefilling:
-                self.scheduler.commit(req, p.row.tokens)
-                self._emit(req, [choose(logits[at], req.params, req.all_ids, req.generator)], logits[at:at + 1], now)
-            else:
-                verdict = self._verify(req, logits[at:at + len(p.row.tokens)])
-                self.scheduler.commit(req, p.row.tokens[:verdict.accepted + 1])
-                self._emit(req, verdict.tokens, logits[at:at + verdict.accepted + 1], now)
-            if self.drafter is not None and req.status is Status.RUNNING:
-                committed = req.num_computed - p.row.start
-                spans.append(Span(req, p.row.start, req.num_computed, hidden[start:start + committed]))
+        self.stats.busy_slots += len(plan.rows)
+        out = self._forward(plan.rows)
+        spans = [self._apply(p, out, i) for i, p in enumerate(plan.rows)]
         if self.drafter is not None:
-            room = {s.request.slot: self.config.ctx_per_slot - s.request.num_computed - 1 for s in spans}
-            self.drafter.draft(spans, room)
+            for req, draft in self.drafter.draft([s for s in spans if s is not None]).items():
+                req.draft = draft
+
+    def _forward(self, rows: list[PlannedRow]) -> "StepResult":
+        batch = ForwardBatch.build([p.row for p in rows])
+        hidden = self.model(batch, self.cache)
+        starts = (batch.last_token_indices() + 1 - torch.tensor([len(p.row.tokens) for p in rows])).tolist()
+        index, firsts = [], []
+        for p, start in zip(rows, starts):
+            firsts.append(len(index))
+            end = start + len(p.row.tokens)
+            index.extend(range(end - p.num_logits, end))
+        logits = self.model.logits(hidden[torch.tensor(index)]) if index else None
+        return StepResult(hidden, logits, starts, firsts, time.perf_counter())
+
+    def _apply(self, p: PlannedRow, out: "StepResult", i: int) -> Span | None:
+        """What row i of the step gives its request; the span the drafter should see, if any."""
+        req, tokens, at = p.request, p.row.tokens, out.firsts[i]
+        if p.decodes:
+            verdict = self._verify(req, out.logits[at:at + len(tokens)])
+            self.scheduler.commit(req, tokens[:verdict.accepted + 1])
+            self._emit(req, verdict.tokens, out.logits[at:at + verdict.accepted + 1], out.now)
+        else:
+            self.scheduler.commit(req, tokens)
+            if p.samples:
+                self._emit(req, [choose(out.logits[at], req.params, req.all_ids, req.generator)],
+                           out.logits[at:at + 1], out.now)
+        if self.drafter is None or req.status is not Status.RUNNING:
+            return None
+        start = out.starts[i]
+        return Span(req, p.row.start, req.num_computed, out.hidden[start:start + req.num_computed - p.row.start],
+                    room=self.config.ctx_per_slot - req.num_computed - 1)
 
     def _verify(self, req: Request, logits: torch.Tensor) -> Verdict:
-        """Which of req.drafts the target keeps (logits: [1 + drafts, vocab], one per verified
-        position), and the token it adds after them."""
-        drafts, q, params = req.drafts, req.draft_q, req.params
-        req.drafts, req.draft_q = [], None
+        """Which of the request's drafts the target keeps (logits: [1 + drafts, vocab], one per
+        verified position), and the token it adds after them."""
+        draft, params = req.draft, req.params
+        drafts, req.draft = draft.tokens, Draft()
         history = req.all_ids
         if params.greedy:
             argmax = [int(adjust_logits(row, params, history + drafts[:i]).argmax()) if params.has_penalties
@@ -325,7 +324,7 @@ class Engine:
         else:
             p = torch.stack([distribution(adjust_logits(row, params, history + drafts[:i]), params)
                              for i, row in enumerate(logits)])
-            verdict = accept_sampled(drafts, p, q if drafts else p[:0], req.generator)
+            verdict = accept_sampled(drafts, p, draft.q if drafts else p[:0], req.generator)
         if drafts:
             req.draft_n += len(drafts)
             req.draft_n_accepted += verdict.accepted
@@ -353,12 +352,26 @@ class Engine:
         if params.logprobs is not None:
             logprobs = [_logprob_entry(row, t, params.logprobs) for row, t in zip(logits, new)]
         if reason:
-            self._finish(req, reason)
-        req.on_output(StepOutput(req, new, reason is not None, logprobs))
+            self._finish(req, reason, new, logprobs)
+        else:
+            req.on_output(StepOutput(req, new, False, logprobs))
 
-    def _finish(self, req: Request, reason: str) -> None:
+    def _finish(self, req: Request, reason: str, tokens: list[int] | None = None,
+                logprobs: list[dict] | None = None) -> None:
+        """End the request, free its slot, and deliver its last output (with `tokens`, if any)."""
         req.finish_reason, req.status, req.t_finished = reason, Status.FINISHED, time.perf_counter()
         self.scheduler.release(req)
+        req.on_output(StepOutput(req, tokens or [], True, logprobs))
+
+
+@dataclass
+class StepResult:
+    """One forward's output, indexed by the plan's rows."""
+    hidden: torch.Tensor  # [N, H] every token's hidden state after the final norm
+    logits: torch.Tensor | None  # [L, vocab] the positions that need them (PlannedRow.num_logits each)
+    starts: list[int]  # each row's first token in `hidden`
+    firsts: list[int]  # each row's first position in `logits`
+    now: float
 
 
 def _logprob_entry(logits: torch.Tensor, token: int, top: int) -> dict:

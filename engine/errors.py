@@ -11,3 +11,10 @@ class ConfigError(TandemError):
 
 class WeightsError(TandemError):
     """A weight file lacks a tensor, or holds one of the wrong shape."""
+
+
+def check_rules(rules: list[tuple[bool, str, object, str]]) -> None:
+    """Raise a ConfigError for the first broken rule, each given as (holds, field, value, rule)."""
+    for holds, name, value, rule in rules:
+        if not holds:
+            raise ConfigError(f"{name}={value!r}: {rule}")

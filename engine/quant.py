@@ -51,10 +51,6 @@ class Linear(nn.Module):
             self.scale = None
         self.register_buffer("bias", None if bias is None else bias.to(TORCH_DTYPES[dtype]))
 
-    @property
-    def out_features(self) -> int:
-        return self.weight.shape[0]
-
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows of W (an embedding lookup when the lm_head is tied to the embedding)."""
         if self.scale is None:

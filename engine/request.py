@@ -49,6 +49,14 @@ class Timings:
 
 
 @dataclass
+class Draft:
+    """Tokens proposed to follow a request's last token, in order, and when the request samples
+    the distributions they were drawn from. A chain: a tree would add each token's parent index."""
+    tokens: list[int] = field(default_factory=list)
+    q: torch.Tensor | None = None  # [len(tokens), vocab]
+
+
+@dataclass
 class StepOutput:
     """What one engine step produced for one request (delivered on the engine thread)."""
     request: "Request"
@@ -73,8 +81,7 @@ class Request:
     finish_reason: str | None = None
     draft_n: int = 0
     draft_n_accepted: int = 0
-    drafts: list[int] = field(default_factory=list)  # proposed for the next step's verification
-    draft_q: torch.Tensor | None = None  # [len(drafts), vocab] their distributions, when sampling
+    draft: Draft = field(default_factory=Draft)  # proposed for the next step's verification
     generator: torch.Generator | None = None
     t_submitted: float = field(default_factory=time.perf_counter)
     t_started: float = 0.0

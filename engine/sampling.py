@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.errors import ConfigError
+from engine.errors import check_rules
 
 PENALTY_LAST_N = 64  # as llama.cpp: penalties look at the last 64 tokens of the sequence
 
@@ -32,21 +32,19 @@ class SamplingParams:
     logprobs: int | None = None  # None: no logprobs; n: the chosen token's plus the top n
 
     def __post_init__(self) -> None:
-        checks = [
-            (math.isfinite(self.temperature) and self.temperature >= 0, "temperature", "must be a finite number >= 0"),
-            (self.top_k >= 0, "top_k", "must be >= 0"),
-            (0 < self.top_p <= 1, "top_p", "must be in (0, 1]"),
-            (0 <= self.min_p <= 1, "min_p", "must be in [0, 1]"),
-            (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0, "repetition_penalty", "must be > 0"),
-            (math.isfinite(self.presence_penalty), "presence_penalty", "must be finite"),
-            (math.isfinite(self.frequency_penalty), "frequency_penalty", "must be finite"),
-            (self.max_tokens >= 1, "max_tokens", "must be >= 1"),
-            (self.logprobs is None or 0 <= self.logprobs <= 20, "top_logprobs", "must be in [0, 20]"),
-        ]
-        for ok, name, rule in checks:
-            if not ok:
-                value = {"top_logprobs": self.logprobs}.get(name, getattr(self, name, None))
-                raise ConfigError(f"{name}={value!r}: {rule}")
+        check_rules([
+            (math.isfinite(self.temperature) and self.temperature >= 0, "temperature", self.temperature,
+             "must be a finite number >= 0"),
+            (self.top_k >= 0, "top_k", self.top_k, "must be >= 0"),
+            (0 < self.top_p <= 1, "top_p", self.top_p, "must be in (0, 1]"),
+            (0 <= self.min_p <= 1, "min_p", self.min_p, "must be in [0, 1]"),
+            (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0, "repetition_penalty",
+             self.repetition_penalty, "must be > 0"),
+            (math.isfinite(self.presence_penalty), "presence_penalty", self.presence_penalty, "must be finite"),
+            (math.isfinite(self.frequency_penalty), "frequency_penalty", self.frequency_penalty, "must be finite"),
+            (self.max_tokens >= 1, "max_tokens", self.max_tokens, "must be >= 1"),
+            (self.logprobs is None or 0 <= self.logprobs <= 20, "top_logprobs", self.logprobs, "must be in [0, 20]"),
+        ])
 
     @property
     def greedy(self) -> bool:

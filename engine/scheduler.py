@@ -33,15 +33,19 @@ class PlannedRow:
     request: Request
     row: Row
     samples: bool  # whether this row's last token yields a token to sample
+    decodes: bool = False  # the request's last token plus its drafts (else a prompt chunk)
+
+    @property
+    def num_logits(self) -> int:
+        """Positions whose logits the step needs: each of a decode row verifies a draft (or gives
+        the next token); a prompt chunk needs its last one only when it ends the prompt."""
+        return len(self.row.tokens) if self.decodes else int(self.samples)
 
 
 @dataclass
 class StepPlan:
     rows: list[PlannedRow]
     preempted: list[Request]  # stopped because the shared KV pool ran out: they finish with "length"
-
-    def __bool__(self) -> bool:
-        return bool(self.rows or self.preempted)
 
 
 class Scheduler:
@@ -91,8 +95,7 @@ class Scheduler:
             reuse = common_prefix(slot.cached_ids, request.prompt_ids) if request.cache_prompt else 0
             # At least the last prompt token runs through the model: its logits give the first token.
             reuse = max(0, min(reuse, len(request.prompt_ids) - 1) - self.reuse_margin)
-            slot.cached_ids = slot.cached_ids[:reuse]
-            self.kv.truncate(slot.id, reuse)
+            self._trim(slot, reuse)
             slot.request = request
             request.slot, request.cache_n, request.num_computed = slot.id, reuse, reuse
             request.status, request.t_started = Status.RUNNING, now
@@ -105,10 +108,10 @@ class Scheduler:
         for req in self.running:
             if req in plan.preempted:
                 continue
-            if not req.prefilling and self._reserve(plan, req, req.num_computed + 1 + len(req.drafts)):
+            if not req.prefilling and self._reserve(plan, req, req.num_computed + 1 + len(req.draft.tokens)):
                 # The last sampled token, then the drafts to verify after it.
-                tokens = [req.all_ids[-1]] + req.drafts
-                plan.rows.append(PlannedRow(req, Row(req.slot, req.num_computed, tokens), True))
+                tokens = [req.all_ids[-1]] + req.draft.tokens
+                plan.rows.append(PlannedRow(req, Row(req.slot, req.num_computed, tokens), True, decodes=True))
                 budget -= len(tokens)
         for req in self.running:
             if req.prefilling and budget > 0 and req not in plan.preempted:
@@ -128,18 +131,21 @@ class Scheduler:
             idle = [s for s in self.slots if s.request is None and s.cached_ids]
             if idle:
                 for slot in idle:
-                    slot.cached_ids = []
-                    self.kv.truncate(slot.id, 0)
+                    self._trim(slot, 0)
                 continue
             victim = max(self.running, key=lambda r: (r.t_started, r.t_submitted))
             plan.preempted.append(victim)
             plan.rows = [p for p in plan.rows if p.request is not victim]
             self.release(victim)
-            self.slots[victim.slot].cached_ids = []
-            self.kv.truncate(victim.slot, 0)
+            self._trim(self.slots[victim.slot], 0)
             if victim is req:
                 return False
         return True
+
+    def _trim(self, slot: Slot, length: int) -> None:
+        """Keep the first `length` cached positions of the slot, in the bookkeeping and the cache."""
+        slot.cached_ids = slot.cached_ids[:length]
+        self.kv.truncate(slot.id, length)
 
     def commit(self, request: Request, tokens: list[int]) -> None:
         """Record that `tokens` were written to the request's slot at num_computed onwards."""

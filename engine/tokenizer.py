@@ -59,15 +59,14 @@ class IncrementalDecoder:
     """Turns a growing list of token ids into text deltas without splitting a UTF-8 character:
     text is released only once the tokens so far decode without a replacement character."""
 
-    def __init__(self, tokenizer: Tokenizer, skip_ids: frozenset[int] = frozenset()):
+    def __init__(self, tokenizer: Tokenizer):
         self.tokenizer = tokenizer
         self.ids: list[int] = []
-        self.skip_ids = skip_ids
         self.prefix = 0  # ids[:prefix] are fully released
         self.read = 0  # ids[:read] produced text that was released
 
     def push(self, token_ids: list[int]) -> str:
-        self.ids.extend(t for t in token_ids if t not in self.skip_ids)
+        self.ids.extend(token_ids)
         before = self.tokenizer.decode(self.ids[self.prefix:self.read])
         after = self.tokenizer.decode(self.ids[self.prefix:])
         if len(after) > len(before) and not after.endswith("\ufffd"):

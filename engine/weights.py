@@ -74,7 +74,7 @@ class ModelFiles:
     format: str  # "hf" or "gguf"
     config: ModelConfig
     shapes: dict[str, tuple[int, ...]]
-    gguf_metadata: dict | None = None
+    gguf_reader: object | None = None  # a GGUF file's memory-mapped reader, kept to read its tensors
 
     def expected_shapes(self) -> dict[str, tuple[int, ...]]:
         c = self.config
@@ -113,7 +113,7 @@ class ModelFiles:
         names = self.expected_shapes()
         if self.format == "hf":
             return _load_safetensors(self.path, names)
-        return _load_gguf(self.path, self.config, names)
+        return _load_gguf(self.gguf_reader, self.config, names)
 
 
 def open_model(path: str | Path | None) -> ModelFiles:
@@ -199,7 +199,7 @@ def _open_gguf(path: Path) -> ModelFiles:
         hf = hf_name_of_gguf(name)
         if hf is not None:
             shapes[hf] = shape
-    return ModelFiles(path, "gguf", config, shapes, gguf_metadata=meta)
+    return ModelFiles(path, "gguf", config, shapes, gguf_reader=reader)
 
 
 def _load_safetensors(path: Path, names: dict) -> dict[str, torch.Tensor]:
@@ -220,9 +220,8 @@ def _unpermute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, shape[0] // n_heads // 2, 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
 
 
-def _load_gguf(path: Path, config: ModelConfig, names: dict) -> dict[str, torch.Tensor]:
+def _load_gguf(reader, config: ModelConfig, names: dict) -> dict[str, torch.Tensor]:
     import gguf
-    reader = gguf.GGUFReader(str(path))
     out = {}
     for t in reader.tensors:
         hf = hf_name_of_gguf(t.name)
