@@ -2,7 +2,7 @@
 
 A record is kept whatever happened to its request: an HTTP error, a cut stream, a reused cache
 prefix or a short generation makes it invalid with a reason, and summaries count those reasons
-instead of dropping the record (DESIGN.md, "Benchmark records")."""
+instead of dropping the record (docs/architecture.md, "Benchmark records")."""
 from __future__ import annotations
 
 import dataclasses

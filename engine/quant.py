@@ -1,7 +1,7 @@
 """Weight formats for linear layers: f32, bf16, and weight-only int8.
 
 int8 stores one scale per output channel and keeps activations in floating point: quantizing
-activations too loses far too much on small models (see DESIGN.md).
+activations too loses far too much on small models (docs/architecture.md, "Weight formats").
 
 A step of a few rows (decode slots, verify tokens) is a matrix-vector product whose speed is how
 fast the weights stream from memory; tandem's own kernel (engine/csrc/linear.cpp) widens each

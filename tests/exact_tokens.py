@@ -1,5 +1,6 @@
-"""The exact-token rule of DESIGN.md: two greedy token lists agree when they are identical, or when
-their first difference sits where the reference's top-2 logits differ by less than 1e-3."""
+"""The exact-token rule (docs/architecture.md, "The exact-token rule"): two greedy token lists agree
+when they are identical, or when their first difference sits where the reference's top-2 logits
+differ by less than 1e-3."""
 from __future__ import annotations
 
 from typing import Callable

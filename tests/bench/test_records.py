@@ -1,4 +1,4 @@
-"""The validity rule of a benchmark record (DESIGN.md, "Benchmark records")."""
+"""The validity rule of a benchmark record (docs/architecture.md, "Benchmark records")."""
 from __future__ import annotations
 
 import json

@@ -1,8 +1,8 @@
 """Greedy output through a real server on the default model (SmolLM2-135M): the official openai
 client, concurrent streams against solo runs, and prefix reuse. One server for the module.
 
-Token lists are compared with the exact-token rule of DESIGN.md; the reference's top-2 logit gap
-comes from its own top_logprobs (a logprob gap equals the logit gap)."""
+Token lists are compared with the exact-token rule (docs/architecture.md, "The exact-token rule");
+the reference's top-2 logit gap comes from its own top_logprobs (a logprob gap equals the logit gap)."""
 from __future__ import annotations
 
 import time
