@@ -22,7 +22,7 @@ def default_engine():
 @pytest.fixture(scope="session")
 def hf_default_model():
     """transformers' own load of the same GGUF file: the reference implementation."""
-    from engine.bench import load_reference
+    from bench.formats import load_reference
     return load_reference("default")
 
 
