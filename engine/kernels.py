@@ -62,7 +62,7 @@ def available() -> bool:
 def usable() -> bool:
     """Whether to run the kernels now: they are built, and this is plain inference. They have no
     backward and do not follow autocast, so training and evaluation under autocast (e.g.
-    engine.train_mtp) run on torch's ops."""
+    `python -m train`) run on torch's ops."""
     return available() and not torch.is_grad_enabled() and not torch.is_autocast_enabled("cpu")
 
 

@@ -162,7 +162,7 @@ def fused_layers(layers: list[DecoderLayer], x: torch.Tensor, batch: ForwardBatc
                  sin: torch.Tensor, cache: KVCache) -> torch.Tensor | None:
     """The layers over x [N, hidden] in one kernel call, when the step is a few tokens (at most the
     linear kernel's row limit) on a slot-major cache of the compute dtype; None when it is not, or
-    when a layer has hooks (engine.train_mtp watches one): those run module by module.
+    when a layer has hooks (`python -m train` watches one): those run module by module.
     cos, sin: [N, head_dim]."""
     first = layers[0]
     if not kernels.usable() or len(batch.slots) != batch.num_tokens \

@@ -1,8 +1,13 @@
 """Fixtures shared by the whole suite. The default model loads once per test session."""
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
+
+from tests.server.helpers import ROOT
 
 torch.set_num_threads(2)
 
@@ -17,5 +22,13 @@ def default_engine():
 @pytest.fixture(scope="session")
 def hf_default_model():
     """transformers' own load of the same GGUF file: the reference implementation."""
-    from engine.bench import load_reference
+    from bench.formats import load_reference
     return load_reference("default")
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> Path:
+    """A tiny random Llama (configs/tiny/llama.json, seed 0) on disk."""
+    from engine.tiny import write_tiny_model
+    config = json.loads((ROOT / "configs/tiny/llama.json").read_text())
+    return write_tiny_model(config, tmp_path_factory.mktemp("tiny-llama"), seed=0)

@@ -169,7 +169,7 @@ def tiny_llama(tmp_path, ctx: int) -> tuple[Transformer, KVCache]:
 
 
 def test_whole_layer_kernel_leaves_hand_built_masks_to_the_layer_by_layer_path(tmp_path):
-    # engine.train_mtp builds batches with masks of its own: those must not run as causal rows.
+    # Draft training (train/) builds batches with masks of its own: those must not run as causal rows.
     model, cache = tiny_llama(tmp_path, 16)
     built = ForwardBatch.build([Row(0, 0, [3, 4, 5])])
     by_hand = ForwardBatch(built.rows, built.token_ids, built.positions, [torch.ones(3, 3, dtype=torch.bool)])
@@ -181,7 +181,7 @@ def test_whole_layer_kernel_leaves_hand_built_masks_to_the_layer_by_layer_path(t
 
 
 def test_a_layer_with_a_hook_runs_module_by_module(tmp_path):
-    # engine.train_mtp measures the residual stream with a pre-hook on the last layer.
+    # Draft training (train/draft.py) measures the residual stream with a pre-hook on the last layer.
     model, cache = tiny_llama(tmp_path, 16)
     seen = []
     model.layers[-1].register_forward_pre_hook(lambda m, args: seen.append(args[0].shape))

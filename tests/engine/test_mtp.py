@@ -1,4 +1,4 @@
-"""An MTP draft file round-trips: what engine.train_mtp saves loads back into MTPDraft with the same
+"""An MTP draft file round-trips: what `python -m train` saves loads back into MTPDraft with the same
 logits, and a draft made for another target is refused with a message that says why."""
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from engine.batch import ForwardBatch, Row
 from engine.errors import ConfigError
 from engine.kv_cache import KVCache
 from engine.tiny import write_tiny_model
-from engine.train_mtp import draft_tensors
 from engine.weights import open_model
+from train.draft import draft_tensors
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "tiny"
 SUBSET = 64

@@ -1,19 +1,9 @@
-"""Fixtures for server tests: a tiny random model on disk and real server processes."""
+"""Fixtures for server tests: real server processes."""
 from __future__ import annotations
-
-import json
-from pathlib import Path
 
 import pytest
 
-from tests.server.helpers import ROOT, ServerProcess
-
-
-@pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory) -> Path:
-    from engine.tiny import write_tiny_model
-    config = json.loads((ROOT / "configs/tiny/llama.json").read_text())
-    return write_tiny_model(config, tmp_path_factory.mktemp("tiny-llama"), seed=0)
+from tests.server.helpers import ServerProcess
 
 
 @pytest.fixture(scope="session")

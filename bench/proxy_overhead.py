@@ -1,6 +1,7 @@
-"""What the proxy costs: TG and time to first token, through the proxy vs the server directly.
+"""`python -m bench.proxy_overhead`: what the proxy costs in TG and time to first token, through the
+proxy vs the server directly.
 
-    python -m tests.proxy.bench_overhead [--model default|PATH|tiny] [--dtype bf16] [--runs 12] [--tokens 64]
+    python -m bench.proxy_overhead [--model default|PATH|tiny] [--dtype bf16] [--runs 12] [--tokens 64]
 
 Starts a proxy (with a throwaway state directory) that loads one server, then alternates the two
 lanes request by request (ABBA order, so drift hits both alike). Each request is a fresh prompt of
@@ -61,7 +62,7 @@ def cpu_of(pid: int) -> int:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.proxy_overhead", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="default")
     ap.add_argument("--dtype", default="bf16")
     ap.add_argument("--runs", type=int, default=12)

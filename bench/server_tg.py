@@ -1,7 +1,7 @@
-"""Manual measurement (not a test): TG of the engine alone vs through the HTTP server at batch 1,
-and the aggregate TG of 4 parallel streams vs 1, in alternating runs; prints medians.
+"""`python -m bench.server_tg`: TG of the engine alone vs through the HTTP server at batch 1, and the
+aggregate TG of 4 parallel streams vs 1, in alternating runs; prints medians.
 
-    python -m tests.server.measure_tg [--runs 5] [--tokens 64] [--threads 2] [--dtype f32]
+    python -m bench.server_tg [--runs 5] [--tokens 64] [--threads 2] [--dtype f32]
 
 Workload: prompt "Once upon a time" (as /v1/completions text), greedy, ignore_eos, fixed length.
 """
@@ -56,7 +56,7 @@ def http_tg(url: str, tokens: int, streams: int) -> tuple[float, float]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(prog="python -m bench.server_tg", description=__doc__.split("\n\n")[0])
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)

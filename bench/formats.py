@@ -1,8 +1,8 @@
-"""`python -m engine.bench`: prompt processing (PP) and token generation (TG) speed of the engine at
+"""`python -m bench.formats`: prompt processing (PP) and token generation (TG) speed of the engine at
 each weight format against transformers' generate() in fp32, on the same model, in one run.
 
-    python -m engine.bench [--dtypes f32 bf16 int8] [--runs 5] [--pp 512] [--tg 128] [--threads N]
-    python -m engine.bench --dtypes f32 int8 --spec-type draft-mtp -md configs/drafts/smollm2-135m-mtp.safetensors \
+    python -m bench.formats [--dtypes f32 bf16 int8] [--runs 5] [--pp 512] [--tg 128] [--threads N]
+    python -m bench.formats --dtypes f32 int8 --spec-type draft-mtp -md configs/drafts/smollm2-135m-mtp.safetensors \
         --heldout 5 --no-transformers
 
 Every run measures each system once, in turn (alternating, so that a noisy neighbour hurts all of
@@ -35,6 +35,7 @@ from engine.quant import DTYPES
 from engine.sampling import SamplingParams
 from engine.tokenizer import Tokenizer
 from engine.weights import open_model
+from train.prompts import chat_prompts
 
 TEXT = Path("/usr/share/common-licenses/GPL-3")
 CHAT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
@@ -151,13 +152,12 @@ class TransformersSystem:
 def tg_prompts(tokenizer, heldout: int | None, message: str = CHAT) -> list[list[int]]:
     """The TG prompts: `heldout` held-out MTP training prompts, or one chat message."""
     if heldout:
-        from engine.train_mtp import chat_prompts
         return chat_prompts(tokenizer, 0, heldout, seed=0)[1]
     return [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": message}]))]
 
 
 def add_workload_flags(p: argparse.ArgumentParser, heldout: int | None = None) -> None:
-    """The flags of the workload every speed comparison here shares (engine.bench, bench.compare)."""
+    """The flags of the workload every speed comparison here shares (bench.formats, bench.compare)."""
     p.add_argument("-m", "--model", default="default")
     p.add_argument("--runs", type=int, default=5)
     p.add_argument("--pp", type=int, default=512, help="prompt tokens for PP")
@@ -230,7 +230,7 @@ def speculation_table(results: list[Result]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m engine.bench", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m bench.formats", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_workload_flags(p)
     p.add_argument("--dtypes", nargs="+", choices=DTYPES, default=list(DTYPES))
