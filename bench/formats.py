@@ -79,8 +79,9 @@ class TandemSystem:
 
             def timed(*args):
                 t0 = time.perf_counter()
-                draft(*args)
+                drafts = draft(*args)
                 self.draft_s += time.perf_counter() - t0
+                return drafts
             self.engine.drafter.draft = timed
 
     def pp(self, ids: list[int]) -> float:
