@@ -98,6 +98,7 @@ class EngineStats:
     """Counters since start, written on the engine thread and read anywhere."""
     steps: int = 0  # forward passes
     busy_slots: int = 0  # sum over steps of the slots in the step
+    preemptions: int = 0  # requests paused for want of KV room, to resume later
     # Per draft position i (0-based): how often a draft reached it, and how often it was accepted.
     drafted_at: list[int] = field(default_factory=list)
     accepted_at: list[int] = field(default_factory=list)
@@ -169,7 +170,7 @@ class Engine:
             eos.add(tokenizer.eos_token_id)
         margin = 1 if drafter is not None and drafter.needs_hidden else 0
         scheduler = Scheduler(config.parallel, config.ctx_per_slot, config.batch_size, config.ubatch_size, cache,
-                              reuse_margin=margin)
+                              reuse_margin=margin, draft_max=config.spec.n_max if config.spec else 0)
         return cls(config, files, model, tokenizer, cache, scheduler, frozenset(eos), drafter=drafter)
 
     # -- any thread ---------------------------------------------------------------------------
@@ -269,8 +270,7 @@ class Engine:
         """One engine step: plan the rows, run them in one forward, then apply each row's result
         to its request (tokens verified, emitted, committed), then draft for the next step."""
         plan = self.scheduler.plan(time.perf_counter())
-        for req in plan.preempted:
-            self._finish(req, "length")
+        self.stats.preemptions += len(plan.preempted)
         if not plan.rows:
             return
         self.stats.steps += 1

@@ -77,6 +77,8 @@ class Request:
     output_ids: list[int] = field(default_factory=list)
     slot: int | None = None
     cache_n: int = 0  # prompt tokens reused from the slot's cache
+    recomputed_n: int = 0  # positions computed again after preemption (the prompt's and outputs')
+    dropped_n: int = 0  # positions its preemption dropped, while it waits to resume (else 0)
     num_computed: int = 0  # tokens of prompt + output whose K/V are in the cache
     finish_reason: str | None = None
     draft_n: int = 0
@@ -93,8 +95,14 @@ class Request:
         return self.prompt_ids + self.output_ids
 
     @property
+    def prefill_ids(self) -> list[int]:
+        """The tokens whose K/V must be computed before the request decodes: its prompt, or after
+        preemption everything but the last token, which the next decode row writes."""
+        return self.all_ids[:-1] if self.output_ids else self.prompt_ids
+
+    @property
     def prefilling(self) -> bool:
-        return self.num_computed < len(self.prompt_ids)
+        return self.num_computed < len(self.prompt_ids) + max(0, len(self.output_ids) - 1)
 
     @property
     def prompt_n(self) -> int:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from engine.batch import Row
 from engine.kv_cache import KVCache, PagedKVCache
-from engine.request import Request, Status
+from engine.request import Draft, Request, Status
 
 
 @dataclass
@@ -45,12 +45,12 @@ class PlannedRow:
 @dataclass
 class StepPlan:
     rows: list[PlannedRow]
-    preempted: list[Request]  # stopped because the shared KV pool ran out: they finish with "length"
+    preempted: list[Request]  # paused because the shared KV pool ran out: back at the queue's head
 
 
 class Scheduler:
     def __init__(self, num_slots: int, ctx_per_slot: int, batch_size: int, ubatch_size: int,
-                 kv: KVCache | PagedKVCache | None = None, reuse_margin: int = 0):
+                 kv: KVCache | PagedKVCache | None = None, reuse_margin: int = 0, draft_max: int = 0):
         self.slots = [Slot(i, []) for i in range(num_slots)]
         self.waiting: deque[Request] = deque()
         self.ctx_per_slot = ctx_per_slot
@@ -61,6 +61,7 @@ class Scheduler:
         # Positions of a reused prefix to recompute anyway: an MTP draft's cache entry at position
         # i pairs h_i with token i+1, so the last reused entry is stale unless h_i is recomputed.
         self.reuse_margin = reuse_margin
+        self.draft_max = draft_max  # the most drafts a decode row verifies: room a resumed request needs
 
     @property
     def running(self) -> list[Request]:
@@ -72,8 +73,7 @@ class Scheduler:
     def add(self, request: Request) -> None:
         self.waiting.append(request)
 
-    def _pick_slot(self, request: Request) -> Slot | None:
-        free = [s for s in self.slots if s.request is None]
+    def _pick_slot(self, request: Request, free: list[Slot]) -> Slot | None:
         if request.slot_id is not None:
             free = [s for s in free if s.id == request.slot_id]
         if not free:
@@ -82,23 +82,45 @@ class Scheduler:
             return min(free, key=lambda s: len(s.cached_ids))
         # The free slot holding the longest prefix of this prompt, as llama-server's slot similarity;
         # with no prefix to reuse, the one holding least, so other slots' prefixes survive.
-        return max(free, key=lambda s: (common_prefix(s.cached_ids, request.prompt_ids), -len(s.cached_ids)))
+        return max(free, key=lambda s: (common_prefix(s.cached_ids, request.prefill_ids), -len(s.cached_ids)))
 
     def _admit(self, now: float) -> None:
-        # FIFO: a request waiting for a particular busy slot holds back those behind it.
-        while self.waiting:
-            request = self.waiting[0]
-            slot = self._pick_slot(request)
-            if slot is None:
+        """FIFO into free slots. A request pinned to a busy slot waits without holding back those
+        behind it; a preempted request at the head waits until its whole length fits again, and
+        holds back the rest so that they cannot take the room it needs."""
+        free = [s for s in self.slots if s.request is None]
+        for request in list(self.waiting):
+            if not free:
                 return
-            self.waiting.popleft()
-            reuse = common_prefix(slot.cached_ids, request.prompt_ids) if request.cache_prompt else 0
+            slot = self._pick_slot(request, free)
+            if slot is None:
+                continue
+            if request.dropped_n and not self._room_to_resume(request, slot):
+                return
+            self.waiting.remove(request)
+            free.remove(slot)
+            reuse = common_prefix(slot.cached_ids, request.prefill_ids) if request.cache_prompt else 0
             # At least the last prompt token runs through the model: its logits give the first token.
-            reuse = max(0, min(reuse, len(request.prompt_ids) - 1) - self.reuse_margin)
+            reuse = max(0, min(reuse, len(request.prefill_ids) - 1) - self.reuse_margin)
             self._trim(slot, reuse)
             slot.request = request
-            request.slot, request.cache_n, request.num_computed = slot.id, reuse, reuse
-            request.status, request.t_started = Status.RUNNING, now
+            request.slot, request.num_computed, request.status = slot.id, reuse, Status.RUNNING
+            if request.dropped_n:
+                request.recomputed_n += max(0, request.dropped_n - reuse)
+                request.dropped_n = 0
+            else:
+                request.cache_n, request.t_started = reuse, now
+
+    def _room_to_resume(self, request: Request, slot: Slot) -> bool:
+        """Reserve the pool for the request's length plus a full draft, evicting idle slots'
+        prefixes if need be (a resumed request must not be preempted again at once)."""
+        length = min(len(request.all_ids) + self.draft_max, self.ctx_per_slot)
+        if self.kv.ensure(slot.id, length):
+            return True
+        for idle in self.slots:
+            if idle.request is None and idle is not slot:
+                self._trim(idle, 0)
+        return self.kv.ensure(slot.id, length)
 
     def plan(self, now: float) -> StepPlan:
         """Rows of the next forward: one decode token for every generating request, then prompt
@@ -115,18 +137,23 @@ class Scheduler:
                 budget -= len(tokens)
         for req in self.running:
             if req.prefilling and budget > 0 and req not in plan.preempted:
-                n = min(self.ubatch_size, budget, len(req.prompt_ids) - req.num_computed)
+                pending = req.prefill_ids
+                n = min(self.ubatch_size, budget, len(pending) - req.num_computed)
                 if not self._reserve(plan, req, req.num_computed + n):
                     continue
-                tokens = req.prompt_ids[req.num_computed:req.num_computed + n]
-                done = req.num_computed + n == len(req.prompt_ids)
-                plan.rows.append(PlannedRow(req, Row(req.slot, req.num_computed, tokens), done))
+                tokens = pending[req.num_computed:req.num_computed + n]
+                # A fresh prompt's last token gives the first output token; a resumed request
+                # already has its next token and decodes it next step.
+                samples = req.num_computed + n == len(pending) and not req.output_ids
+                plan.rows.append(PlannedRow(req, Row(req.slot, req.num_computed, tokens), samples))
                 budget -= n
         return plan
 
     def _reserve(self, plan: StepPlan, req: Request, length: int) -> bool:
         """Room for `length` positions in the request's slot. When a shared pool is short, idle
-        slots' cached prefixes go first, then the youngest running request (maybe `req` itself)."""
+        slots' cached prefixes go first, then the youngest running request (maybe `req` itself) is
+        preempted. Each request fits the pool alone (the server checks prompt plus max_tokens), so
+        the oldest always makes progress."""
         while not self.kv.ensure(req.slot, length):
             idle = [s for s in self.slots if s.request is None and s.cached_ids]
             if idle:
@@ -136,11 +163,21 @@ class Scheduler:
             victim = max(self.running, key=lambda r: (r.t_started, r.t_submitted))
             plan.preempted.append(victim)
             plan.rows = [p for p in plan.rows if p.request is not victim]
-            self.release(victim)
-            self._trim(self.slots[victim.slot], 0)
+            self._preempt(victim)
             if victim is req:
                 return False
         return True
+
+    def _preempt(self, request: Request) -> None:
+        """Pause a running request: its slot and positions go, its tokens, sampler state and
+        counters stay; it waits at the head of the queue to recompute its prefix."""
+        slot = self.slots[request.slot]
+        slot.request = None
+        self._trim(slot, 0)
+        request.dropped_n = request.num_computed
+        request.slot, request.num_computed, request.status = None, 0, Status.WAITING
+        request.draft = Draft()
+        self.waiting.appendleft(request)
 
     def _trim(self, slot: Slot, length: int) -> None:
         """Keep the first `length` cached positions of the slot, in the bookkeeping and the cache."""

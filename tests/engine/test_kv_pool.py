@@ -1,5 +1,5 @@
 """The shared KV pool behind --kv-unified: page bookkeeping, reads equal writes, and what happens
-when the pool runs out mid-generation (the youngest request stops with "length")."""
+when the pool runs out mid-generation (the youngest request is paused, then resumes and finishes)."""
 from __future__ import annotations
 
 import queue
@@ -7,6 +7,7 @@ import queue
 import pytest
 import torch
 
+from engine.drafter import SpecConfig
 from engine.engine import Engine, EngineConfig
 from engine.kv_cache import PagedKVCache, PagePool
 from engine.sampling import SamplingParams
@@ -72,12 +73,46 @@ def test_unified_pool_gives_the_same_greedy_tokens(engines):
     assert all(r.finish_reason == "length" and len(r.output_ids) == 40 for r in b)
 
 
-def test_exhausted_pool_stops_the_youngest_with_length_and_keeps_serving(engines):
-    _, unified = engines  # 160 positions for two requests that want 40 + 100 each
+def test_exhausted_pool_pauses_the_youngest_which_resumes_and_equals_its_output_alone(engines):
+    split, unified = engines  # 160 positions for two requests that want 40 + 100 each
     params = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
-    older, younger = run_all(unified, [[65] * 40, [66] * 40], params)
-    assert older.finish_reason == "length" and len(older.output_ids) == 100
-    assert younger.finish_reason == "length" and 0 < len(younger.output_ids) < 100
-    assert younger.timings().predicted_n == len(younger.output_ids)
+    prompts = [[65] * 40, [66] * 40]
+    before = unified.stats.preemptions
+    older, younger = run_all(unified, prompts, params)
+    assert unified.stats.preemptions > before
+    alone = [run_all(split, [p], params)[0] for p in prompts]
+    for got, ref in zip((older, younger), alone):
+        assert got.finish_reason == "length" and got.output_ids == ref.output_ids
+    assert older.recomputed_n == 0 and younger.recomputed_n > 0
+    assert (younger.cache_n, younger.prompt_n) == (0, 40)  # the original prompt's, not the recomputation's
     again = run_all(unified, [[67] * 10], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))[0]
     assert len(again.output_ids) == 20
+
+
+def test_many_requests_on_a_small_pool_all_finish_with_every_token(tiny_model):
+    """Eight requests on four slots sharing 256 positions, each wanting 20 + 90: preemption pauses
+    and resumes them, nothing ends early, and each equals its output alone."""
+    unified = Engine.load(EngineConfig(model=str(tiny_model), ctx_size=256, parallel=4, kv_unified=True))
+    params = SamplingParams(temperature=0, max_tokens=90, ignore_eos=True)
+    prompts = [[70 + i] * (15 + i) for i in range(8)]
+    got = run_all(unified, prompts, params)
+    assert unified.stats.preemptions > 0
+    alone = Engine.load(EngineConfig(model=str(tiny_model), ctx_size=256, parallel=1))
+    for req, prompt in zip(got, prompts):
+        ref = run_all(alone, [prompt], params)[0]
+        assert req.finish_reason == "length" and req.output_ids == ref.output_ids
+
+
+def test_a_resumed_request_rebuilds_its_drafters_cache(tiny_model):
+    """The target drafting for itself accepts every draft, so a drafter whose cache was not rebuilt
+    after preemption would show as a rejected draft."""
+    spec = SpecConfig(type="draft-simple", draft_model=str(tiny_model), n_max=3, p_min=0.0)
+    unified = Engine.load(EngineConfig(model=str(tiny_model), ctx_size=160, parallel=2, kv_unified=True, spec=spec))
+    params = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
+    prompts = [[65] * 40, [66] * 40]
+    got = run_all(unified, prompts, params)
+    assert unified.stats.preemptions > 0
+    alone = Engine.load(EngineConfig(model=str(tiny_model), ctx_size=256, parallel=1))
+    for req, prompt in zip(got, prompts):
+        assert req.output_ids == run_all(alone, [prompt], params)[0].output_ids
+        assert req.draft_n > 0 and req.draft_n_accepted == req.draft_n

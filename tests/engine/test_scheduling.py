@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from engine.request import Request
 from engine.sampling import SamplingParams
+from engine.kv_cache import PagedKVCache
 from engine.scheduler import Scheduler
 
 
@@ -59,3 +60,40 @@ def test_prefix_reuse_picks_the_slot_holding_the_prompt_start_unless_disabled():
     s.add(fresh)
     s.plan(0.0)
     assert fresh.cache_n == 0 and fresh.slot == 0
+
+
+def test_a_request_pinned_to_a_busy_slot_does_not_hold_back_the_next_one():
+    s = Scheduler(num_slots=2, ctx_per_slot=256, batch_size=512, ubatch_size=64)
+    first, pinned, free = request([1, 1], slot_id=0), request([2, 2], slot_id=0), request([3, 3])
+    for r in (first, pinned, free):
+        s.add(r)
+    s.plan(0.0)
+    assert first.slot == 0 and free.slot == 1 and list(s.waiting) == [pinned]
+
+
+def test_a_preempted_request_resumes_at_the_queue_head_recomputing_prompt_and_outputs():
+    pool = PagedKVCache(num_layers=0, num_slots=2, capacity=64, kv_heads=0, head_dim=0)
+    s = Scheduler(num_slots=2, ctx_per_slot=64, batch_size=512, ubatch_size=64, kv=pool, draft_max=3)
+    older, younger, later = request([1] * 20), request([2] * 20), request([3] * 4)
+    s.add(older)
+    s.plan(0.0)
+    s.add(younger)
+    for step in range(30):  # both decode until the 64-position pool (4 pages of 16) runs out
+        plan = s.plan(1.0 + step)
+        if plan.preempted:
+            break
+        for r in plan.rows:
+            s.commit(r.request, r.row.tokens)
+            if r.samples:
+                decode(s, r.request, 9)
+    assert plan.preempted == [younger] and [r.request for r in plan.rows] == [older]
+    assert younger.slot is None and younger.num_computed == 0 and younger.output_ids
+    dropped = younger.dropped_n
+    assert dropped == len(younger.all_ids) - 1
+    s.add(later)
+    assert list(s.waiting) == [younger, later]
+    s.release(older)
+    rows = {r.request.id: r for r in s.plan(20.0).rows}  # room again: both are admitted
+    row = rows[younger.id]
+    assert row.row.tokens == younger.all_ids[:-1] and not row.samples
+    assert younger.recomputed_n == dropped and younger.cache_n == 0
