@@ -2,7 +2,7 @@
 
 `configs/proxy.yaml` holds the proxy's own settings and the globs of its profile files; each
 profile file maps profile names to profiles. Every problem in every file is collected and raised
-as one ConfigError naming file, profile and field, so a user fixes them all in one pass.
+as one ProxyConfigError naming file, profile and field, so a user fixes them all in one pass.
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ OWNED_FLAGS = ("--alias", "--host", "--port")  # the proxy sets these on every s
 MODEL_FLAGS, CTX_FLAGS, PARALLEL_FLAGS = ("-m", "--model"), ("-c", "--ctx-size"), ("-np", "--parallel")
 
 
-class ConfigError(Exception):
+class ProxyConfigError(Exception):
     """One or more config problems; the message lists each on its own line."""
 
 
@@ -166,18 +166,18 @@ def _read_yaml(path: Path, errors: list[str]) -> Any:
 
 
 def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> ProxyConfig:
-    """Reads proxy.yaml and every profile file it names; raises one ConfigError listing all problems."""
+    """Reads proxy.yaml and every profile file it names; raises one ProxyConfigError listing all problems."""
     path = Path(path).resolve()
     errors: list[str] = []
     raw = _read_yaml(path, errors)
     if raw is None:
-        raise ConfigError(errors[0])
+        raise ProxyConfigError(errors[0])
     if not isinstance(raw, dict):
-        raise ConfigError(f"{path}: must be a mapping of settings")
+        raise ProxyConfigError(f"{path}: must be a mapping of settings")
     try:
         settings = ProxySettings(**{**raw, **(overrides or {})})
     except ValidationError as e:
-        raise ConfigError("\n".join(f"{path}: {m}" for m in _field_errors(e))) from e
+        raise ProxyConfigError("\n".join(f"{path}: {m}" for m in _field_errors(e))) from e
 
     profiles: dict[str, Profile] = {}
     origin: dict[str, Path] = {}
@@ -215,5 +215,5 @@ def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> Pr
             except ValidationError as e:
                 errors += [f"{where}: {m}" for m in _field_errors(e)]
     if errors:
-        raise ConfigError(f"{len(errors)} problem(s) in the proxy config:\n" + "\n".join(errors))
+        raise ProxyConfigError(f"{len(errors)} problem(s) in the proxy config:\n" + "\n".join(errors))
     return ProxyConfig(settings=settings, profiles=profiles, path=path)

@@ -1,6 +1,6 @@
-"""The scheduler's effects on the real world: server processes, ports, health checks, timers.
+"""The controller's effects on the real world: server processes, ports, health checks, timers.
 
-Each method returns at once; the work runs in a task that posts its outcome back to the scheduler
+Each method returns at once; the work runs in a task that posts its outcome back to the controller
 as an event. A failed load leaves nothing running: whatever it started is stopped before LoadDone.
 """
 from __future__ import annotations

@@ -12,7 +12,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from sse_starlette import EventSourceResponse
 
-from server.generation import Final, Job, Piece, prepare, run
+from server.generation import Final, Piece, PreparedRequest, prepare, run
 from server.protocol import APIError, ChatCompletionRequest, CompletionRequest
 from server.state import ServerState
 
@@ -39,11 +39,11 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     state = get_state(request)
     tokenizer = state.runner.engine.tokenizer
     prompt_ids = tokenizer.encode(render_chat(state, body))
-    job = prepare(state, body, prompt_ids, body.n_logprobs)
+    prepared = prepare(state, body, prompt_ids, body.n_logprobs)
     fmt = ChatFormat(state, body.model, tokenizer.decode)
     if body.stream:
-        return _sse(state, job, fmt)
-    return await _whole(state, job, fmt, request)
+        return _sse(state, prepared, fmt)
+    return await _whole(state, prepared, fmt, request)
 
 
 @router.post("/v1/completions")
@@ -51,19 +51,19 @@ async def completions(body: CompletionRequest, request: Request):
     state = get_state(request)
     tokenizer = state.runner.engine.tokenizer
     prompt_ids = list(body.prompt) if isinstance(body.prompt, list) else tokenizer.encode(body.prompt)
-    job = prepare(state, body, prompt_ids, body.n_logprobs)
+    prepared = prepare(state, body, prompt_ids, body.n_logprobs)
     fmt = TextFormat(state, body.model, tokenizer.decode)
     if body.stream:
-        return _sse(state, job, fmt)
-    return await _whole(state, job, fmt, request)
+        return _sse(state, prepared, fmt)
+    return await _whole(state, prepared, fmt, request)
 
 
-def _sse(state: ServerState, job: Job, fmt) -> EventSourceResponse:
+def _sse(state: ServerState, prepared: PreparedRequest, fmt) -> EventSourceResponse:
     async def events() -> AsyncIterator[dict]:
         first = fmt.first_chunk()
         if first is not None:
             yield {"data": json.dumps(first)}
-        async for item in run(state, job):
+        async for item in run(state, prepared):
             if isinstance(item, Final) and item.finish_reason == "error":
                 yield {"data": json.dumps(APIError(500, "the engine failed on this request").body())}
             else:
@@ -73,11 +73,11 @@ def _sse(state: ServerState, job: Job, fmt) -> EventSourceResponse:
     return EventSourceResponse(events(), ping=15)
 
 
-async def _whole(state: ServerState, job: Job, fmt, request: Request) -> JSONResponse:
+async def _whole(state: ServerState, prepared: PreparedRequest, fmt, request: Request) -> JSONResponse:
     # The body was read; the next ASGI message is the client's disconnect, if it leaves early.
     watcher = asyncio.ensure_future(request.receive())
     pieces: list[Piece] = []
-    gen = run(state, job)
+    gen = run(state, prepared)
     try:
         while True:
             nxt = asyncio.ensure_future(gen.__anext__())

@@ -272,5 +272,23 @@ class Timings(BaseModel):
     draft_n: int | None = None
     draft_n_accepted: int | None = None
 
+    @classmethod
+    def of(cls, t) -> "Timings":
+        """From an engine.request.RequestTimes (duck-typed: this module imports no engine code)."""
+        def per_token(ms: float, n: int) -> float:
+            return ms / n if n else 0.0
+
+        def per_second(ms: float, n: int) -> float:
+            return 1000.0 * n / ms if ms > 0 else 0.0
+
+        drafted = t.draft_n > 0
+        return cls(cache_n=t.cache_n, prompt_n=t.prompt_n, prompt_ms=t.prompt_ms,
+                   prompt_per_token_ms=per_token(t.prompt_ms, t.prompt_n),
+                   prompt_per_second=per_second(t.prompt_ms, t.prompt_n),
+                   predicted_n=t.predicted_n, predicted_ms=t.predicted_ms,
+                   predicted_per_token_ms=per_token(t.predicted_ms, t.predicted_n),
+                   predicted_per_second=per_second(t.predicted_ms, t.predicted_n),
+                   draft_n=t.draft_n if drafted else None, draft_n_accepted=t.draft_n_accepted if drafted else None)
+
 
 FinishReason = Literal["stop", "length", "cancelled", "error"]

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from proxy.config import ConfigError, load_config
+from proxy.config import ProxyConfigError, load_config
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -56,7 +56,7 @@ c:
 a:
   args: [-m, z]
 """)
-    with pytest.raises(ConfigError) as info:
+    with pytest.raises(ProxyConfigError) as info:
         load_config(path)
     text = str(info.value)
     for expected in ("one.yaml: profile 'a': replicaz: unknown key",
@@ -71,7 +71,7 @@ a:
 
 def test_unknown_proxy_setting_is_named(tmp_path):
     path = write(tmp_path, "prot: 1\n", one="a: {args: [-m, x]}\n")
-    with pytest.raises(ConfigError, match=r"proxy.yaml: prot: unknown key"):
+    with pytest.raises(ProxyConfigError, match=r"proxy.yaml: prot: unknown key"):
         load_config(path)
 
 
