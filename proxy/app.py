@@ -11,10 +11,8 @@ import sqlite3
 from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import PlainTextResponse, StreamingResponse
 from pydantic import ValidationError
-from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Route
 
 from proxy.children import ChildRegistry, reap_leftovers
@@ -28,7 +26,8 @@ from proxy.passthrough import MODEL_PATHS, Completions, Upstream
 from proxy.controller import Controller
 from proxy.supervisor import Supervisor
 from proxy.upstream import UpstreamClient
-from server.protocol import APIError, error_body
+from server.http_errors import install_error_handlers
+from server.protocol import APIError, validation_problems
 
 log = logging.getLogger("tandem.proxy")
 
@@ -131,21 +130,7 @@ def create_app(config: ProxyConfig, overrides: dict | None = None) -> Front:
     def proxy_of(request: Request) -> Proxy:
         return request.app.state.proxy
 
-    @app.exception_handler(APIError)
-    async def api_error(request: Request, e: APIError):
-        return JSONResponse(e.body(), status_code=e.status)
-
-    @app.exception_handler(RequestValidationError)
-    async def invalid(request: Request, e: RequestValidationError):
-        problems = "; ".join(f"{'.'.join(str(p) for p in err['loc'][1:]) or 'body'}: {err['msg']}"
-                             for err in e.errors())
-        return JSONResponse(error_body(400, problems), status_code=400)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(request: Request, e: StarletteHTTPException):
-        message = {404: f"{request.url.path}: no such endpoint on the proxy",
-                   405: f"{request.method} {request.url.path}: method not allowed"}.get(e.status_code, str(e.detail))
-        return JSONResponse(error_body(e.status_code, message), status_code=e.status_code)
+    install_error_handlers(app, "the proxy")
 
     @app.get("/health")
     async def health():
@@ -156,8 +141,7 @@ def create_app(config: ProxyConfig, overrides: dict | None = None) -> Front:
         try:  # JSON whatever the content type says: `curl -d` sends form encoding
             body = JobRequest.model_validate_json(await request.body())
         except ValidationError as e:
-            raise APIError(400, "; ".join(f"{'.'.join(map(str, err['loc'])) or 'body'}: {err['msg']}"
-                                          for err in e.errors())) from e
+            raise APIError(400, "; ".join(validation_problems(e.errors()))) from e
         return await proxy_of(request).controller.submit(body.type, body.model)
 
     @app.get("/jobs")

@@ -17,6 +17,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from server.protocol import validation_problems
+
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]*$")  # no '/': names appear in /upstream/{model}/...
 OWNED_FLAGS = ("--alias", "--host", "--port")  # the proxy sets these on every server it starts
 MODEL_FLAGS, CTX_FLAGS, PARALLEL_FLAGS = ("-m", "--model"), ("-c", "--ctx-size"), ("-np", "--parallel")
@@ -148,15 +150,6 @@ def _check_owned(args: tuple[str, ...], where: str) -> None:
             raise ValueError(f"{a.split('=', 1)[0]} is set by the proxy; remove it from {where}")
 
 
-def _field_errors(e: ValidationError) -> list[str]:
-    out = []
-    for err in e.errors():
-        loc = ".".join(str(p) for p in err["loc"]) or "(top level)"
-        msg = "unknown key" if err["type"] == "extra_forbidden" else err["msg"].removeprefix("Value error, ")
-        out.append(f"{loc}: {msg}")
-    return out
-
-
 def _read_yaml(path: Path, errors: list[str]) -> Any:
     try:
         return yaml.safe_load(path.read_text()) or {}
@@ -177,7 +170,7 @@ def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> Pr
     try:
         settings = ProxySettings(**{**raw, **(overrides or {})})
     except ValidationError as e:
-        raise ProxyConfigError("\n".join(f"{path}: {m}" for m in _field_errors(e))) from e
+        raise ProxyConfigError("\n".join(f"{path}: {m}" for m in validation_problems(e.errors()))) from e
 
     profiles: dict[str, Profile] = {}
     origin: dict[str, Path] = {}
@@ -213,7 +206,7 @@ def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> Pr
             try:
                 profiles[name] = Profile(**{**body, "name": name})
             except ValidationError as e:
-                errors += [f"{where}: {m}" for m in _field_errors(e)]
+                errors += [f"{where}: {m}" for m in validation_problems(e.errors())]
     if errors:
         raise ProxyConfigError(f"{len(errors)} problem(s) in the proxy config:\n" + "\n".join(errors))
     return ProxyConfig(settings=settings, profiles=profiles, path=path)

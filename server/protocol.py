@@ -37,6 +37,22 @@ def error_body(status: int, message: str, type_: str | None = None) -> dict:
     return {"error": {"code": status, "message": message, "type": type_ or error_type(status)}}
 
 
+def validation_problems(errors) -> list[str]:
+    """pydantic's errors (`ValidationError.errors()`), one line each naming the field and the rule:
+    `temperature: must be >= 0`. Both HTTP apps and the proxy's config reader word them this way."""
+    out = []
+    for err in errors:
+        loc = ".".join(str(x) for x in err["loc"])
+        msg = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "json_invalid":
+            where = f" at byte {loc}" if loc else ""
+            out.append(f"malformed JSON{where}: {err.get('ctx', {}).get('error', msg)}")
+            continue
+        msg = {"missing": "field required", "extra_forbidden": "unknown key"}.get(err["type"], msg)
+        out.append(f"{loc}: {msg}" if loc else msg)
+    return out
+
+
 class _Body(BaseModel):
     # Unknown fields are accepted (clients send many) but never change behaviour.
     model_config = ConfigDict(extra="allow")
