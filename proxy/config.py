@@ -17,6 +17,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from server.flags import parse_flags
 from server.protocol import validation_problems
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]*$")  # no '/': names appear in /upstream/{model}/...
@@ -83,10 +84,7 @@ class Profile(_Strict):
         _check_owned(v, "args")
         if flag_value(v, MODEL_FLAGS) is None:
             raise ValueError("must name the model with -m/--model")
-        for flags in (CTX_FLAGS, PARALLEL_FLAGS):
-            value = flag_value(v, flags)
-            if value is not None and not (value.isdigit() and int(value) > 0):
-                raise ValueError(f"{flags[1]}={value}: must be a positive integer")
+        parse_flags(v)  # the server's own parser, so a bad value fails here and not at a load; a ValueError
         return v
 
     @property
