@@ -203,7 +203,7 @@ def create_app(config: ProxyConfig, overrides: dict | None = None) -> Front:
             sub = bus.subscribe(model)
             try:
                 while True:
-                    yield f"data: {json.dumps((await sub.queue.get()).as_dict())}\n\n"
+                    yield f"data: {json.dumps((await sub.next()).as_dict())}\n\n"
             finally:
                 bus.unsubscribe(sub)
         return StreamingResponse(lines(), media_type="text/event-stream", headers={"X-Accel-Buffering": "no"})
