@@ -43,7 +43,7 @@ def stream_one(url: str, tokens: int, i: int) -> tuple[float, float, int, dict]:
                 first = now
             last = now
             final = chunk
-    return first, last, final["usage"]["completion_tokens"], final["timings"]
+    return first, last, final["timings"]["predicted_n"], final["timings"]
 
 
 def http_tg(url: str, tokens: int, streams: int) -> tuple[float, float]:

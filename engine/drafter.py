@@ -23,13 +23,11 @@ from engine.errors import ConfigError, check_rules
 from engine.kv_cache import KVCache
 from engine.model import Transformer
 from engine.ngram import ngram_draft
+from engine.options import SPEC_TYPES
 from engine.quant import compute_dtype
 from engine.request import Draft, Request
 from engine.sampling import distribution
 from engine.weights import open_model
-
-SPEC_TYPES = {"draft-mtp": "draft-mtp", "mtp": "draft-mtp", "ngram-simple": "ngram-simple",
-              "ngram": "ngram-simple", "draft-simple": "draft-simple", "draft": "draft-simple"}
 
 
 @dataclass(frozen=True)

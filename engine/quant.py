@@ -15,8 +15,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine import kernels
+from engine.options import DTYPES
 
-DTYPES = ("f32", "bf16", "int8")
 TORCH_DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "int8": torch.float32}
 BYTES_PER_WEIGHT = {"f32": 4, "bf16": 2, "int8": 1}
 # Up to this many rows tandem's kernel beats torch's matmul (measured on the default model's layers).

@@ -17,9 +17,10 @@ class Status(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass
-class Timings:
-    """llama-server's `timings` object."""
+@dataclass(frozen=True)
+class RequestTimes:
+    """What one request took, as counts and milliseconds; the server shapes them into llama-server's
+    `timings` (server.protocol.Timings)."""
     cache_n: int
     prompt_n: int
     prompt_ms: float
@@ -27,25 +28,6 @@ class Timings:
     predicted_ms: float
     draft_n: int = 0
     draft_n_accepted: int = 0
-
-    def as_dict(self, with_draft: bool) -> dict:
-        def per_token(ms, n):
-            return ms / n if n else 0.0
-
-        def per_second(ms, n):
-            return 1000.0 * n / ms if ms > 0 else 0.0
-
-        out = {
-            "cache_n": self.cache_n, "prompt_n": self.prompt_n, "prompt_ms": self.prompt_ms,
-            "prompt_per_token_ms": per_token(self.prompt_ms, self.prompt_n),
-            "prompt_per_second": per_second(self.prompt_ms, self.prompt_n),
-            "predicted_n": self.predicted_n, "predicted_ms": self.predicted_ms,
-            "predicted_per_token_ms": per_token(self.predicted_ms, self.predicted_n),
-            "predicted_per_second": per_second(self.predicted_ms, self.predicted_n),
-        }
-        if with_draft:
-            out.update(draft_n=self.draft_n, draft_n_accepted=self.draft_n_accepted)
-        return out
 
 
 @dataclass
@@ -108,10 +90,10 @@ class Request:
     def prompt_n(self) -> int:
         return len(self.prompt_ids) - self.cache_n
 
-    def timings(self) -> Timings:
+    def timings(self) -> RequestTimes:
         end = self.t_finished or time.perf_counter()
         first = self.t_first_token or end
-        return Timings(
+        return RequestTimes(
             cache_n=self.cache_n, prompt_n=self.prompt_n, prompt_ms=1000.0 * (first - self.t_started),
             predicted_n=len(self.output_ids), predicted_ms=1000.0 * (end - first),
             draft_n=self.draft_n, draft_n_accepted=self.draft_n_accepted,

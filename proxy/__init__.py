@@ -5,9 +5,9 @@ Who does what:
     config.py       profiles and proxy settings, validated once (all problems at once)
     jobs.py         job records and their SQLite store
     router.py       one model's replicas, slot leases and FIFO of waiting requests (pure data)
-    model_state.py  one model's status, jobs and pool, as the scheduler sees it
-    scheduler.py    the one task that owns all of the above; it decides, events tell it what happened
-    events.py       those events, and the Effects the scheduler may ask for
+    model_state.py  one model's status, jobs and pool, as the controller sees it
+    controller.py   the one task that owns all of the above; it decides, events tell it what happened
+    events.py       those events, and the Effects the controller may ask for
     supervisor.py   the Effects: start (ports, health, /props check) and stop servers, timers
     process.py      one server process and its log; children.py: no server outlives the proxy
     forward.py      the byte-for-byte relay; passthrough.py: the routes that use it
@@ -17,7 +17,7 @@ Who does what:
 
 The life of a streamed chat request:
     1. Completions reads the body, takes `model` from it and starts watching for a disconnect.
-    2. scheduler.acquire posts an Acquire event; the scheduler answers at once with a lease on the
+    2. controller.acquire posts an Acquire event; the controller answers at once with a lease on the
        least-busy replica that has a free slot, or queues the request (FIFO, bounded: 429 beyond),
        or waits for a load job (starting one when the profile says `autoload`), or refuses it
        (503 not loaded, 404 unknown model).
@@ -25,6 +25,6 @@ The life of a streamed chat request:
     4. A client that leaves cancels the request's task: a queued request leaves the queue; a relayed
        one closes its upstream connection, so the server frees the slot.
     5. At the end, the final `timings` feed /metrics and a Release event frees the slot; the
-       scheduler grants it to the oldest waiter. An upstream that broke marks the replica failed
+       controller grants it to the oldest waiter. An upstream that broke marks the replica failed
        (stopped, and restarted when the profile says `restart: on-failure`).
 """

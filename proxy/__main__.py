@@ -14,7 +14,7 @@ import sys
 import uvicorn
 
 from proxy.app import create_app
-from proxy.config import ConfigError, load_config
+from proxy.config import ProxyConfigError, load_config
 
 log = logging.getLogger("tandem.proxy")
 
@@ -40,7 +40,7 @@ class ProxyServer(uvicorn.Server):
     def _reload(self) -> None:
         try:
             self.config.app.state.proxy.reload()
-        except ConfigError as e:
+        except ProxyConfigError as e:
             log.error("config reload refused; the old config stays:\n%s", e)
 
 
@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
                                    ("api_key", a.api_key)) if v is not None}
     try:
         config = load_config(a.config, overrides)
-    except ConfigError as e:
+    except ProxyConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if a.check:

@@ -11,24 +11,23 @@ import sqlite3
 from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import PlainTextResponse, StreamingResponse
 from pydantic import ValidationError
-from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Route
 
 from proxy.children import ChildRegistry, reap_leftovers
-from proxy.config import ConfigError, ProxyConfig, load_config
+from proxy.config import ProxyConfigError, ProxyConfig, load_config
 from proxy.events import Reload
 from proxy.forward import send_error
 from proxy.jobs import JobRequest, JobStatus, JobStore
 from proxy.logbus import BusHandler, LogBus
 from proxy.metrics import ProxyMetrics
 from proxy.passthrough import MODEL_PATHS, Completions, Upstream
-from proxy.scheduler import Scheduler
+from proxy.controller import Controller
 from proxy.supervisor import Supervisor
 from proxy.upstream import UpstreamClient
-from server.protocol import APIError, error_body
+from server.http_errors import install_error_handlers
+from server.protocol import APIError, validation_problems
 
 log = logging.getLogger("tandem.proxy")
 
@@ -39,17 +38,17 @@ class Proxy:
     overrides: dict
     db: sqlite3.Connection
     store: JobStore
-    scheduler: Scheduler
+    controller: Controller
     supervisor: Supervisor
     bus: LogBus
     metrics: ProxyMetrics
     upstream: UpstreamClient
 
     def reload(self) -> ProxyConfig:
-        """Re-reads the config; raises ConfigError (and changes nothing) when any profile is invalid."""
+        """Re-reads the config; raises ProxyConfigError (and changes nothing) when any profile is invalid."""
         config = load_config(self.config.path, self.overrides)
         self.config = config
-        self.scheduler.post(Reload(config))
+        self.controller.post(Reload(config))
         log.info("config reloaded: %d profile(s)", len(config.profiles))
         return config
 
@@ -86,7 +85,7 @@ class Front:
 
 @contextlib.asynccontextmanager
 async def start_proxy(config: ProxyConfig, overrides: dict | None = None):
-    """Opens the state, settles what an earlier proxy process left behind, runs the scheduler."""
+    """Opens the state, settles what an earlier proxy process left behind, runs the controller."""
     state_dir = config.state_dir
     (state_dir / "logs").mkdir(parents=True, exist_ok=True)
     db = sqlite3.connect(state_dir / "proxy.db")
@@ -99,17 +98,17 @@ async def start_proxy(config: ProxyConfig, overrides: dict | None = None):
     handler = BusHandler(bus, asyncio.get_running_loop())
     handler.setFormatter(logging.Formatter("%(levelname)s %(message)s"))
     logging.getLogger("tandem.proxy").addHandler(handler)
-    supervisor = Supervisor(lambda event: scheduler.post(event), children, bus, state_dir / "logs",
+    supervisor = Supervisor(lambda event: controller.post(event), children, bus, state_dir / "logs",
                             config.settings.log_tail_lines)
-    scheduler = Scheduler(config, supervisor, store)
+    controller = Controller(config, supervisor, store)
     upstream = UpstreamClient()
-    proxy = Proxy(config, overrides or {}, db, store, scheduler, supervisor, bus, ProxyMetrics(), upstream)
-    run = asyncio.ensure_future(scheduler.run())
+    proxy = Proxy(config, overrides or {}, db, store, controller, supervisor, bus, ProxyMetrics(), upstream)
+    run = asyncio.ensure_future(controller.run())
     try:
         yield proxy
     finally:
         run.cancel()
-        scheduler.interrupt("the proxy shut down")
+        controller.interrupt("the proxy shut down")
         log.info("shutting down: stopping %d server(s)", len(supervisor.processes))
         await supervisor.shutdown()
         upstream.close()
@@ -131,21 +130,7 @@ def create_app(config: ProxyConfig, overrides: dict | None = None) -> Front:
     def proxy_of(request: Request) -> Proxy:
         return request.app.state.proxy
 
-    @app.exception_handler(APIError)
-    async def api_error(request: Request, e: APIError):
-        return JSONResponse(e.body(), status_code=e.status)
-
-    @app.exception_handler(RequestValidationError)
-    async def invalid(request: Request, e: RequestValidationError):
-        problems = "; ".join(f"{'.'.join(str(p) for p in err['loc'][1:]) or 'body'}: {err['msg']}"
-                             for err in e.errors())
-        return JSONResponse(error_body(400, problems), status_code=400)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(request: Request, e: StarletteHTTPException):
-        message = {404: f"{request.url.path}: no such endpoint on the proxy",
-                   405: f"{request.method} {request.url.path}: method not allowed"}.get(e.status_code, str(e.detail))
-        return JSONResponse(error_body(e.status_code, message), status_code=e.status_code)
+    install_error_handlers(app, "the proxy")
 
     @app.get("/health")
     async def health():
@@ -156,9 +141,8 @@ def create_app(config: ProxyConfig, overrides: dict | None = None) -> Front:
         try:  # JSON whatever the content type says: `curl -d` sends form encoding
             body = JobRequest.model_validate_json(await request.body())
         except ValidationError as e:
-            raise APIError(400, "; ".join(f"{'.'.join(map(str, err['loc'])) or 'body'}: {err['msg']}"
-                                          for err in e.errors())) from e
-        return await proxy_of(request).scheduler.submit(body.type, body.model)
+            raise APIError(400, "; ".join(validation_problems(e.errors()))) from e
+        return await proxy_of(request).controller.submit(body.type, body.model)
 
     @app.get("/jobs")
     async def list_jobs(request: Request, model: str | None = None, status: JobStatus | None = None,
@@ -168,14 +152,14 @@ def create_app(config: ProxyConfig, overrides: dict | None = None) -> Front:
     @app.get("/jobs/{job_id}")
     async def get_job(job_id: str, request: Request):
         p = proxy_of(request)
-        job = p.scheduler.jobs.get(job_id) or p.store.get(job_id)
+        job = p.controller.jobs.get(job_id) or p.store.get(job_id)
         if job is None:
             raise APIError(404, f"job {job_id!r} not found", "not_found_error")
         return job
 
     @app.delete("/jobs/{job_id}")
     async def cancel_job(job_id: str, request: Request):
-        return await proxy_of(request).scheduler.cancel(job_id)
+        return await proxy_of(request).controller.cancel(job_id)
 
     @app.get("/jobs/{job_id}/log")
     async def job_log(job_id: str, request: Request):
@@ -189,14 +173,14 @@ def create_app(config: ProxyConfig, overrides: dict | None = None) -> Front:
 
     @app.get("/running")
     async def running(request: Request):
-        return {"models": proxy_of(request).scheduler.running()}
+        return {"models": proxy_of(request).controller.running()}
 
     @app.get("/v1/models")
     async def models(request: Request):
         p = proxy_of(request)
         data = []
         for name, profile in sorted(p.config.profiles.items()):
-            m = p.scheduler.models.get(name)
+            m = p.controller.models.get(name)
             data.append({"id": name, "object": "model", "created": 0, "owned_by": "tandem",
                          "status": {"value": m.status.value if m else "unloaded"},
                          "meta": {"model": profile.model, "n_ctx": profile.ctx_size, "parallel": profile.parallel,
@@ -208,7 +192,7 @@ def create_app(config: ProxyConfig, overrides: dict | None = None) -> Front:
     async def metrics(request: Request):
         p = proxy_of(request)
         counts = {s.value: n for s, n in p.store.counts().items()}
-        models = [m.snapshot() for m in p.scheduler.models.values()]
+        models = [m.snapshot() for m in p.controller.models.values()]
         return PlainTextResponse(p.metrics.render(models, counts), media_type="text/plain; version=0.0.4")
 
     @app.get("/logs/stream")
@@ -219,7 +203,7 @@ def create_app(config: ProxyConfig, overrides: dict | None = None) -> Front:
             sub = bus.subscribe(model)
             try:
                 while True:
-                    yield f"data: {json.dumps((await sub.queue.get()).as_dict())}\n\n"
+                    yield f"data: {json.dumps((await sub.next()).as_dict())}\n\n"
             finally:
                 bus.unsubscribe(sub)
         return StreamingResponse(lines(), media_type="text/event-stream", headers={"X-Accel-Buffering": "no"})
@@ -228,7 +212,7 @@ def create_app(config: ProxyConfig, overrides: dict | None = None) -> Front:
     async def reload(request: Request):
         try:
             config = proxy_of(request).reload()
-        except ConfigError as e:
+        except ProxyConfigError as e:
             raise APIError(400, str(e)) from e
         return {"profiles": sorted(config.profiles)}
 

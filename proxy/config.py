@@ -2,7 +2,7 @@
 
 `configs/proxy.yaml` holds the proxy's own settings and the globs of its profile files; each
 profile file maps profile names to profiles. Every problem in every file is collected and raised
-as one ConfigError naming file, profile and field, so a user fixes them all in one pass.
+as one ProxyConfigError naming file, profile and field, so a user fixes them all in one pass.
 """
 from __future__ import annotations
 
@@ -17,12 +17,15 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from server.flags import parse_flags
+from server.protocol import validation_problems
+
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]*$")  # no '/': names appear in /upstream/{model}/...
 OWNED_FLAGS = ("--alias", "--host", "--port")  # the proxy sets these on every server it starts
 MODEL_FLAGS, CTX_FLAGS, PARALLEL_FLAGS = ("-m", "--model"), ("-c", "--ctx-size"), ("-np", "--parallel")
 
 
-class ConfigError(Exception):
+class ProxyConfigError(Exception):
     """One or more config problems; the message lists each on its own line."""
 
 
@@ -81,10 +84,7 @@ class Profile(_Strict):
         _check_owned(v, "args")
         if flag_value(v, MODEL_FLAGS) is None:
             raise ValueError("must name the model with -m/--model")
-        for flags in (CTX_FLAGS, PARALLEL_FLAGS):
-            value = flag_value(v, flags)
-            if value is not None and not (value.isdigit() and int(value) > 0):
-                raise ValueError(f"{flags[1]}={value}: must be a positive integer")
+        parse_flags(v)  # the server's own parser, so a bad value fails here and not at a load; a ValueError
         return v
 
     @property
@@ -148,15 +148,6 @@ def _check_owned(args: tuple[str, ...], where: str) -> None:
             raise ValueError(f"{a.split('=', 1)[0]} is set by the proxy; remove it from {where}")
 
 
-def _field_errors(e: ValidationError) -> list[str]:
-    out = []
-    for err in e.errors():
-        loc = ".".join(str(p) for p in err["loc"]) or "(top level)"
-        msg = "unknown key" if err["type"] == "extra_forbidden" else err["msg"].removeprefix("Value error, ")
-        out.append(f"{loc}: {msg}")
-    return out
-
-
 def _read_yaml(path: Path, errors: list[str]) -> Any:
     try:
         return yaml.safe_load(path.read_text()) or {}
@@ -166,18 +157,18 @@ def _read_yaml(path: Path, errors: list[str]) -> Any:
 
 
 def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> ProxyConfig:
-    """Reads proxy.yaml and every profile file it names; raises one ConfigError listing all problems."""
+    """Reads proxy.yaml and every profile file it names; raises one ProxyConfigError listing all problems."""
     path = Path(path).resolve()
     errors: list[str] = []
     raw = _read_yaml(path, errors)
     if raw is None:
-        raise ConfigError(errors[0])
+        raise ProxyConfigError(errors[0])
     if not isinstance(raw, dict):
-        raise ConfigError(f"{path}: must be a mapping of settings")
+        raise ProxyConfigError(f"{path}: must be a mapping of settings")
     try:
         settings = ProxySettings(**{**raw, **(overrides or {})})
     except ValidationError as e:
-        raise ConfigError("\n".join(f"{path}: {m}" for m in _field_errors(e))) from e
+        raise ProxyConfigError("\n".join(f"{path}: {m}" for m in validation_problems(e.errors()))) from e
 
     profiles: dict[str, Profile] = {}
     origin: dict[str, Path] = {}
@@ -213,7 +204,7 @@ def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> Pr
             try:
                 profiles[name] = Profile(**{**body, "name": name})
             except ValidationError as e:
-                errors += [f"{where}: {m}" for m in _field_errors(e)]
+                errors += [f"{where}: {m}" for m in validation_problems(e.errors())]
     if errors:
-        raise ConfigError(f"{len(errors)} problem(s) in the proxy config:\n" + "\n".join(errors))
+        raise ProxyConfigError(f"{len(errors)} problem(s) in the proxy config:\n" + "\n".join(errors))
     return ProxyConfig(settings=settings, profiles=profiles, path=path)

@@ -1,8 +1,8 @@
-"""What the scheduler reacts to, and the effects it asks for.
+"""What the controller reacts to, and the effects it asks for.
 
-Request handlers and effect tasks post events; the scheduler's one task handles them in order. The
-Effects protocol is everything the scheduler may do to the outside world; each method returns at
-once and reports back later with an event, so a test can drive the scheduler with a fake.
+Request handlers and effect tasks post events; the controller's one task handles them in order. The
+Effects protocol is everything the controller may do to the outside world; each method returns at
+once and reports back later with an event, so a test can drive the controller with a fake.
 """
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Job sequencing: each model runs its jobs one at a time, in order; different models run theirs
-side by side. Part of the scheduler's state (called only from its task): it decides when a job
+side by side. Part of the controller's state (called only from its task): it decides when a job
 starts and finishes and asks the Effects for the work in between."""
 from __future__ import annotations
 

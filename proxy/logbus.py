@@ -1,7 +1,8 @@
 """Log lines of the proxy and of its servers, fanned out to /logs/stream subscribers.
 
-Publishing never blocks: a subscriber that falls behind loses lines (and is told how many), so a
-slow log reader can never slow down request handling. Called only on the event loop.
+Publishing never blocks: a subscriber that falls behind loses lines, so a slow log reader can never
+slow down request handling. It is told how many: a line `[N lines dropped]` stands where they
+were, before the next line it gets. Called only on the event loop.
 """
 from __future__ import annotations
 
@@ -30,11 +31,23 @@ class LogLine:
 class Subscription:
     def __init__(self, model: str | None):
         self.model = model
-        self.queue: asyncio.Queue[LogLine] = asyncio.Queue(SUBSCRIBER_BUFFER)
-        self.dropped = 0
+        self.queue: asyncio.Queue[LogLine] = asyncio.Queue()  # bounded by offer, which never blocks
+        self.dropped = 0  # lines lost since the last one queued
 
     def wants(self, line: LogLine) -> bool:
         return self.model is None or line.model == self.model
+
+    def offer(self, line: LogLine) -> None:
+        if self.queue.qsize() >= SUBSCRIBER_BUFFER:
+            self.dropped += 1
+            return
+        if self.dropped:
+            self.queue.put_nowait(LogLine(line.ts, "proxy", self.model, None, f"[{self.dropped} lines dropped]"))
+            self.dropped = 0
+        self.queue.put_nowait(line)
+
+    async def next(self) -> LogLine:
+        return await self.queue.get()
 
 
 class LogBus:
@@ -46,18 +59,14 @@ class LogBus:
         entry = LogLine(time.time(), source, model, replica, line)
         self.backlog.append(entry)
         for sub in self.subscribers:
-            if not sub.wants(entry):
-                continue
-            try:
-                sub.queue.put_nowait(entry)
-            except asyncio.QueueFull:
-                sub.dropped += 1
+            if sub.wants(entry):
+                sub.offer(entry)
 
     def subscribe(self, model: str | None = None) -> Subscription:
         sub = Subscription(model)
         for entry in self.backlog:
             if sub.wants(entry):
-                sub.queue.put_nowait(entry)
+                sub.offer(entry)
         self.subscribers.add(sub)
         return sub
 

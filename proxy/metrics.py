@@ -1,6 +1,6 @@
 """/metrics of the proxy (Prometheus text): requests, queues, per-model speed from the servers'
 final `timings`, jobs by status. Counters change on the event loop only; gauges are read from the
-scheduler when the page is rendered."""
+controller when the page is rendered."""
 from __future__ import annotations
 
 from collections import defaultdict

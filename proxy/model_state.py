@@ -1,4 +1,4 @@
-"""What the scheduler knows about one configured model: status, replicas (in its Pool), jobs."""
+"""What the controller knows about one configured model: status, replicas (in its Pool), jobs."""
 from __future__ import annotations
 
 from collections import deque

@@ -52,18 +52,18 @@ class Completions:
         lease = None
         try:
             try:
-                lease = await p.scheduler.acquire(model)
+                lease = await p.controller.acquire(model)
             except APIError as e:
                 watch.disarm()
                 # an unknown name is not a label: clients could otherwise grow /metrics without bound
-                p.metrics.on_request(model if model in p.scheduler.models else "(unknown)", e.status, None)
+                p.metrics.on_request(model if model in p.controller.models else "(unknown)", e.status, None)
                 await send_error(send, e.status, e.message, e.type)
                 return
             replica = lease.replica
             outcome = await relay(scope, send, watch, p.upstream, replica.port, self.path, body,
                                   why_cancelled=lambda: lease.cancel_reason)
             p.metrics.on_request(model, outcome.status, outcome.timings)
-            p.scheduler.release(lease, outcome.failure)
+            p.controller.release(lease, outcome.failure)
             lease = None
         except asyncio.CancelledError:
             if not (watch.fired or (lease is not None and lease.cancel_reason)):
@@ -72,7 +72,7 @@ class Completions:
         finally:
             watch.close()
             if lease is not None:
-                p.scheduler.release(lease)
+                p.controller.release(lease)
 
 
 class Upstream:
@@ -91,9 +91,9 @@ class Upstream:
             return
         query = parse_qsl(scope.get("query_string", b"").decode(), keep_blank_values=True)
         wanted = next((v for k, v in query if k == "replica"), None)
-        m = p.scheduler.models.get(model)
+        m = p.controller.models.get(model)
         if m is None:
-            e = p.scheduler.unknown_model(model)
+            e = p.controller.unknown_model(model)
             await send_error(send, e.status, e.message, e.type)
             return
         live = [r for r in m.pool.replicas if r.state is not ReplicaState.failed]

@@ -2,7 +2,7 @@
 
 A replica never gets more concurrent requests than it has slots; a request that finds every slot
 busy waits in the pool's FIFO and is granted the least-busy replica as soon as one frees. Pure data:
-the scheduler owns each Pool and calls it from its one task, so there are no locks.
+the controller owns each Pool and calls it from its one task, so there are no locks.
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
-"""The scheduler's effects on the real world: server processes, ports, health checks, timers.
+"""The controller's effects on the real world: server processes, ports, health checks, timers.
 
-Each method returns at once; the work runs in a task that posts its outcome back to the scheduler
+Each method returns at once; the work runs in a task that posts its outcome back to the controller
 as an event. A failed load leaves nothing running: whatever it started is stopped before LoadDone.
 """
 from __future__ import annotations
@@ -29,7 +29,9 @@ class LoadError(Exception):
     """Why a replica could not be brought up, as one sentence."""
 
 
-def free_port(taken: set[int]) -> int:
+def unused_port(taken: set[int]) -> int:
+    """A port the kernel calls free that is not in `taken`: the ports of our own servers, which a
+    server still starting has been given but may not have bound yet."""
     while True:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
@@ -106,7 +108,7 @@ class Supervisor:
 
     async def _spawn(self, job: Job, profile: Profile, index: int) -> ServerProcess:
         spec = profile.replicas[index]
-        port = free_port({p.port for p in self.processes.values()})
+        port = unused_port({p.port for p in self.processes.values()})
         argv = [*profile.command, *profile.args, *spec.args, "--alias", profile.name,
                 "--host", "127.0.0.1", "--port", str(port)]
         log_path = self.log_dir / f"{job.id}.log"

@@ -3,7 +3,7 @@
 The life of a request here:
 1. edge.EdgeMiddleware checks the API key, the body size and whether the server is draining.
 2. FastAPI parses the body into a protocol model (types and ranges); errors become 400s in the
-   OpenAI shape (app.py).
+   OpenAI shape (http_errors.py, shared with the proxy).
 3. openai_api renders the chat template and tokenizes; generation.prepare checks the model name,
    the lengths against the slot context and the sampling parameters, all before a slot is taken.
 4. runner.EngineRunner submits to the engine thread; each step's outputs come back through
@@ -13,6 +13,7 @@ The life of a request here:
 6. A client that leaves cancels its request (the slot frees within one engine step); SIGTERM
    drains in-flight requests, then exits 0 (__main__.py).
 
-Modules: cli (flags), state (settings, shared state), protocol (wire models, no torch),
+Modules: flags (the command line, no torch; the proxy checks profiles with it), cli (engine config
+and settings from the flags), state (settings, shared state), protocol (wire models, no torch),
 metrics (Prometheus text).
 """

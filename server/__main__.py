@@ -14,7 +14,8 @@ from sse_starlette.sse import AppStatus
 
 from engine.errors import TandemError
 from server.app import create_app
-from server.cli import parse
+from server.cli import configs
+from server.flags import FlagError, help_text, parse_flags
 from server.runner import EngineRunner
 from server.state import ServerState
 
@@ -60,8 +61,12 @@ class DrainingServer(uvicorn.Server):
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        engine_config, settings = parse(argv)
-    except TandemError as e:
+        flags = parse_flags(argv)
+        if flags.help:
+            print(help_text())
+            return 0
+        engine_config, settings = configs(flags)
+    except (FlagError, TandemError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     # Streams end when their request does, not when the signal arrives (see DrainingServer).

@@ -10,11 +10,10 @@ import logging
 from typing import Callable
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from server.edge import EdgeMiddleware, validation_message
+from server.edge import EdgeMiddleware
+from server.http_errors import install_error_handlers
 from server.metrics import EngineGauges
 from server.openai_api import get_state, render_chat, router
 from server.protocol import APIError, ApplyTemplateRequest, DetokenizeRequest, TokenizeRequest, error_body
@@ -42,19 +41,7 @@ def create_app(state: ServerState, on_load_failure: Callable[[BaseException], No
     app.add_middleware(EdgeMiddleware, state=state)
     app.include_router(router)
 
-    @app.exception_handler(APIError)
-    async def api_error(request: Request, e: APIError):
-        return JSONResponse(e.body(), status_code=e.status)
-
-    @app.exception_handler(RequestValidationError)
-    async def invalid(request: Request, e: RequestValidationError):
-        return JSONResponse(error_body(400, validation_message(e.errors())), status_code=400)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(request: Request, e: StarletteHTTPException):
-        message = {404: f"{request.url.path}: no such endpoint on this server",
-                   405: f"{request.method} {request.url.path}: method not allowed"}.get(e.status_code, str(e.detail))
-        return JSONResponse(error_body(e.status_code, message), status_code=e.status_code)
+    install_error_handlers(app, "this server")
 
     @app.exception_handler(Exception)
     async def crash(request: Request, e: Exception):

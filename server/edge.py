@@ -61,17 +61,3 @@ async def _reply(send, status: int, message: str) -> None:
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
     await send({"type": "http.response.body", "body": body})
 
-
-def validation_message(errors) -> str:
-    """pydantic's errors as one line naming each field: `temperature: must be >= 0; ...`."""
-    parts = []
-    for err in errors:
-        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
-        msg = err.get("msg", "invalid").removeprefix("Value error, ")
-        if err.get("type") == "json_invalid":
-            parts.append(f"malformed JSON at byte {'.'.join(loc)}: {err.get('ctx', {}).get('error', msg)}")
-            continue
-        elif err.get("type") == "missing":
-            msg = "field required"
-        parts.append(f"{'.'.join(loc)}: {msg}" if loc else msg)
-    return "; ".join(parts) or "invalid request"

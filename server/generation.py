@@ -8,16 +8,16 @@ from dataclasses import dataclass
 from typing import AsyncIterator
 
 from engine.errors import ConfigError
-from engine.request import Timings
+from engine.request import RequestTimes
 from engine.sampling import SamplingParams
 from engine.tokenizer import IncrementalDecoder
-from server.protocol import APIError, SamplingFields
+from server.protocol import APIError, SamplingFields, Timings
 from server.state import ServerState
 from server.stop import StopMatcher
 
 
 @dataclass
-class Job:
+class PreparedRequest:
     """A validated request, ready to submit."""
     prompt_ids: list[int]
     params: SamplingParams
@@ -40,7 +40,8 @@ class Final:
     timings: dict
 
 
-def prepare(state: ServerState, body: SamplingFields, prompt_ids: list[int], n_logprobs: int | None) -> Job:
+def prepare(state: ServerState, body: SamplingFields, prompt_ids: list[int],
+            n_logprobs: int | None) -> PreparedRequest:
     """Everything checked before a slot is taken: model name, lengths, sampling parameters."""
     engine = state.runner.engine
     state.check_model(body.model)
@@ -66,15 +67,16 @@ def prepare(state: ServerState, body: SamplingFields, prompt_ids: list[int], n_l
             ignore_eos=body.ignore_eos, logit_bias=bias, logprobs=n_logprobs)
     except ConfigError as e:
         raise APIError(400, str(e)) from e
-    return Job(prompt_ids, params, body.stop_strings, body.cache_prompt, body.id_slot)
+    return PreparedRequest(prompt_ids, params, body.stop_strings, body.cache_prompt, body.id_slot)
 
 
-async def run(state: ServerState, job: Job) -> AsyncIterator[Piece | Final]:
+async def run(state: ServerState, prepared: PreparedRequest) -> AsyncIterator[Piece | Final]:
     """Yields Pieces as tokens arrive, then one Final. Cancels the engine request when the
     consumer stops early (client gone) or a stop string matches."""
-    stream = state.runner.submit(job.prompt_ids, job.params, cache_prompt=job.cache_prompt, slot_id=job.slot_id)
+    stream = state.runner.submit(prepared.prompt_ids, prepared.params, cache_prompt=prepared.cache_prompt,
+                                 slot_id=prepared.slot_id)
     decoder = IncrementalDecoder(state.runner.engine.tokenizer)
-    matcher = StopMatcher(job.stops)
+    matcher = StopMatcher(prepared.stops)
     n_tokens, t_last = 0, 0.0
     try:
         while True:
@@ -117,9 +119,9 @@ def _final(state: ServerState, req, reason: str, n_tokens: int, stopped_at: floa
         t = req.timings()
     else:  # a stop string ended it here, while the engine may already hold one token more
         first = req.t_first_token or stopped_at
-        t = Timings(req.cache_n, req.prompt_n, 1000.0 * (first - req.t_started), n_tokens,
+        t = RequestTimes(req.cache_n, req.prompt_n, 1000.0 * (first - req.t_started), n_tokens,
                     1000.0 * (stopped_at - first), req.draft_n, req.draft_n_accepted)
-    timings = t.as_dict(with_draft=t.draft_n > 0)
+    timings = Timings.of(t).model_dump(exclude_none=True)
     n_prompt = len(req.prompt_ids)
     usage = {"prompt_tokens": n_prompt, "completion_tokens": t.predicted_n, "total_tokens": n_prompt + t.predicted_n}
     state.metrics.on_finished(timings)

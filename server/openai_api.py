@@ -12,7 +12,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from sse_starlette import EventSourceResponse
 
-from server.generation import Final, Job, Piece, prepare, run
+from server.generation import Final, Piece, PreparedRequest, prepare, run
 from server.protocol import APIError, ChatCompletionRequest, CompletionRequest
 from server.state import ServerState
 
@@ -39,11 +39,11 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     state = get_state(request)
     tokenizer = state.runner.engine.tokenizer
     prompt_ids = tokenizer.encode(render_chat(state, body))
-    job = prepare(state, body, prompt_ids, body.n_logprobs)
+    prepared = prepare(state, body, prompt_ids, body.n_logprobs)
     fmt = ChatFormat(state, body.model, tokenizer.decode)
     if body.stream:
-        return _sse(state, job, fmt)
-    return await _whole(state, job, fmt, request)
+        return _sse(state, prepared, fmt, body.include_usage)
+    return await _whole(state, prepared, fmt, request)
 
 
 @router.post("/v1/completions")
@@ -51,21 +51,29 @@ async def completions(body: CompletionRequest, request: Request):
     state = get_state(request)
     tokenizer = state.runner.engine.tokenizer
     prompt_ids = list(body.prompt) if isinstance(body.prompt, list) else tokenizer.encode(body.prompt)
-    job = prepare(state, body, prompt_ids, body.n_logprobs)
+    prepared = prepare(state, body, prompt_ids, body.n_logprobs)
     fmt = TextFormat(state, body.model, tokenizer.decode)
     if body.stream:
-        return _sse(state, job, fmt)
-    return await _whole(state, job, fmt, request)
+        return _sse(state, prepared, fmt, body.include_usage)
+    return await _whole(state, prepared, fmt, request)
 
 
-def _sse(state: ServerState, job: Job, fmt) -> EventSourceResponse:
+def _sse(state: ServerState, prepared: PreparedRequest, fmt, include_usage: bool) -> EventSourceResponse:
+    """As OpenAI's: `usage` only when stream_options.include_usage asks, in one more chunk with no
+    choices after the finish_reason chunk. As llama-server's: `timings` on the last chunk before [DONE]."""
     async def events() -> AsyncIterator[dict]:
         first = fmt.first_chunk()
         if first is not None:
             yield {"data": json.dumps(first)}
-        async for item in run(state, job):
+        async for item in run(state, prepared):
             if isinstance(item, Final) and item.finish_reason == "error":
                 yield {"data": json.dumps(APIError(500, "the engine failed on this request").body())}
+            elif isinstance(item, Final):
+                last = fmt.chunk(item)
+                if include_usage:
+                    yield {"data": json.dumps(last)}
+                    last = {**fmt.envelope([], fmt.chunk_object), "usage": item.usage}
+                yield {"data": json.dumps({**last, "timings": item.timings})}
             else:
                 yield {"data": json.dumps(fmt.chunk(item))}
         yield {"data": "[DONE]"}
@@ -73,11 +81,11 @@ def _sse(state: ServerState, job: Job, fmt) -> EventSourceResponse:
     return EventSourceResponse(events(), ping=15)
 
 
-async def _whole(state: ServerState, job: Job, fmt, request: Request) -> JSONResponse:
+async def _whole(state: ServerState, prepared: PreparedRequest, fmt, request: Request) -> JSONResponse:
     # The body was read; the next ASGI message is the client's disconnect, if it leaves early.
     watcher = asyncio.ensure_future(request.receive())
     pieces: list[Piece] = []
-    gen = run(state, job)
+    gen = run(state, prepared)
     try:
         while True:
             nxt = asyncio.ensure_future(gen.__anext__())
@@ -99,7 +107,7 @@ async def _whole(state: ServerState, job: Job, fmt, request: Request) -> JSONRes
 
 
 class _Format:
-    object_name = ""
+    chunk_object = ""  # the `object` of a streamed chunk
 
     def __init__(self, state: ServerState, model: str | None, decode: Callable[[list[int]], str]):
         self.id = f"{self.prefix}{uuid.uuid4().hex}"
@@ -107,9 +115,9 @@ class _Format:
         self.model = state.model_name if not model or model == "default" else model
         self.decode = decode
 
-    def envelope(self, choice: dict, object_name: str) -> dict:
+    def envelope(self, choices: list[dict], object_name: str) -> dict:
         return {"id": self.id, "object": object_name, "created": self.created, "model": self.model,
-                "system_fingerprint": "tandem", "choices": [choice]}
+                "system_fingerprint": "tandem", "choices": choices}
 
     def first_chunk(self) -> dict | None:
         return None
@@ -117,26 +125,26 @@ class _Format:
 
 class ChatFormat(_Format):
     prefix = "chatcmpl-"
+    chunk_object = "chat.completion.chunk"
 
     def first_chunk(self) -> dict:
-        return self.envelope({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                              "finish_reason": None}, "chat.completion.chunk")
+        return self.envelope([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                               "finish_reason": None}], self.chunk_object)
 
     def chunk(self, item: Piece | Final) -> dict:
         if isinstance(item, Final):
-            out = self.envelope({"index": 0, "delta": {}, "logprobs": None, "finish_reason": item.finish_reason},
-                                "chat.completion.chunk")
-            return {**out, "usage": item.usage, "timings": item.timings}
+            return self.envelope([{"index": 0, "delta": {}, "logprobs": None, "finish_reason": item.finish_reason}],
+                                 self.chunk_object)
         logprobs = {"content": self._logprobs(item.logprobs)} if item.logprobs else None
-        return self.envelope({"index": 0, "delta": {"content": item.text}, "logprobs": logprobs,
-                              "finish_reason": None}, "chat.completion.chunk")
+        return self.envelope([{"index": 0, "delta": {"content": item.text}, "logprobs": logprobs,
+                               "finish_reason": None}], self.chunk_object)
 
     def whole(self, pieces: list[Piece], final: Final) -> dict:
         entries = [e for p in pieces for e in (p.logprobs or [])]
         message = {"role": "assistant", "content": "".join(p.text for p in pieces)}
         choice = {"index": 0, "message": message, "finish_reason": final.finish_reason,
                   "logprobs": {"content": self._logprobs(entries)} if entries else None}
-        return {**self.envelope(choice, "chat.completion"), "usage": final.usage, "timings": final.timings}
+        return {**self.envelope([choice], "chat.completion"), "usage": final.usage, "timings": final.timings}
 
     def _logprobs(self, entries: list[dict]) -> list[dict]:
         def one(token: int, logprob: float) -> dict:
@@ -149,20 +157,20 @@ class ChatFormat(_Format):
 
 class TextFormat(_Format):
     prefix = "cmpl-"
+    chunk_object = "text_completion"
 
     def chunk(self, item: Piece | Final) -> dict:
         if isinstance(item, Final):
-            out = self.envelope({"index": 0, "text": "", "logprobs": None, "finish_reason": item.finish_reason},
-                                "text_completion")
-            return {**out, "usage": item.usage, "timings": item.timings}
-        return self.envelope({"index": 0, "text": item.text, "logprobs": self._logprobs(item.logprobs),
-                              "finish_reason": None}, "text_completion")
+            return self.envelope([{"index": 0, "text": "", "logprobs": None, "finish_reason": item.finish_reason}],
+                                 self.chunk_object)
+        return self.envelope([{"index": 0, "text": item.text, "logprobs": self._logprobs(item.logprobs),
+                               "finish_reason": None}], self.chunk_object)
 
     def whole(self, pieces: list[Piece], final: Final) -> dict:
         entries = [e for p in pieces for e in (p.logprobs or [])]
         choice = {"index": 0, "text": "".join(p.text for p in pieces), "finish_reason": final.finish_reason,
                   "logprobs": self._logprobs(entries)}
-        return {**self.envelope(choice, "text_completion"), "usage": final.usage, "timings": final.timings}
+        return {**self.envelope([choice], "text_completion"), "usage": final.usage, "timings": final.timings}
 
     def _logprobs(self, entries: list[dict] | None) -> dict | None:
         """The legacy completions shape: parallel lists per token."""

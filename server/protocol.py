@@ -37,6 +37,22 @@ def error_body(status: int, message: str, type_: str | None = None) -> dict:
     return {"error": {"code": status, "message": message, "type": type_ or error_type(status)}}
 
 
+def validation_problems(errors) -> list[str]:
+    """pydantic's errors (`ValidationError.errors()`), one line each naming the field and the rule:
+    `temperature: must be >= 0`. Both HTTP apps and the proxy's config reader word them this way."""
+    out = []
+    for err in errors:
+        loc = ".".join(str(x) for x in err["loc"])
+        msg = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "json_invalid":
+            where = f" at byte {loc}" if loc else ""
+            out.append(f"malformed JSON{where}: {err.get('ctx', {}).get('error', msg)}")
+            continue
+        msg = {"missing": "field required", "extra_forbidden": "unknown key"}.get(err["type"], msg)
+        out.append(f"{loc}: {msg}" if loc else msg)
+    return out
+
+
 class _Body(BaseModel):
     # Unknown fields are accepted (clients send many) but never change behaviour.
     model_config = ConfigDict(extra="allow")
@@ -271,6 +287,24 @@ class Timings(BaseModel):
     predicted_per_second: float
     draft_n: int | None = None
     draft_n_accepted: int | None = None
+
+    @classmethod
+    def of(cls, t) -> "Timings":
+        """From an engine.request.RequestTimes (duck-typed: this module imports no engine code)."""
+        def per_token(ms: float, n: int) -> float:
+            return ms / n if n else 0.0
+
+        def per_second(ms: float, n: int) -> float:
+            return 1000.0 * n / ms if ms > 0 else 0.0
+
+        drafted = t.draft_n > 0
+        return cls(cache_n=t.cache_n, prompt_n=t.prompt_n, prompt_ms=t.prompt_ms,
+                   prompt_per_token_ms=per_token(t.prompt_ms, t.prompt_n),
+                   prompt_per_second=per_second(t.prompt_ms, t.prompt_n),
+                   predicted_n=t.predicted_n, predicted_ms=t.predicted_ms,
+                   predicted_per_token_ms=per_token(t.predicted_ms, t.predicted_n),
+                   predicted_per_second=per_second(t.predicted_ms, t.predicted_n),
+                   draft_n=t.draft_n if drafted else None, draft_n_accepted=t.draft_n_accepted if drafted else None)
 
 
 FinishReason = Literal["stop", "length", "cancelled", "error"]

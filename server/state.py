@@ -3,11 +3,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from server.flags import DEFAULT_BODY_LIMIT
 from server.metrics import Metrics
 from server.protocol import APIError
 from server.runner import EngineRunner
-
-DEFAULT_BODY_LIMIT = 8 * 2**20
 
 
 @dataclass(frozen=True)

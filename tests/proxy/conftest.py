@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,14 +17,10 @@ import httpx
 import pytest
 import yaml
 
+from tests.ports import free_port
+
 REPO = Path(__file__).resolve().parents[2]
 TINY_CONFIG = REPO / "configs" / "tiny" / "llama.json"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def alive(pid: int) -> bool:

@@ -1,4 +1,4 @@
-"""A scheduler driven by hand: fake effects that record what was asked, and helpers to answer."""
+"""A controller driven by hand: fake effects that record what was asked, and helpers to answer."""
 from __future__ import annotations
 
 import asyncio
@@ -9,7 +9,7 @@ from proxy import events as ev
 from proxy.config import ProxyConfig, ProxySettings, Profile
 from proxy.jobs import Job, JobStore, JobType, Trigger
 from proxy.router import Waiter
-from proxy.scheduler import Scheduler
+from proxy.controller import Controller
 
 
 class FakeEffects:
@@ -37,7 +37,7 @@ def profile(name: str, parallel: int = 2, replicas: int = 1, **kw) -> Profile:
 
 
 class Harness:
-    """A Scheduler with fake effects, an in-memory store and a clock the test moves."""
+    """A Controller with fake effects, an in-memory store and a clock the test moves."""
 
     def __init__(self, *profiles: Profile, groups: dict | None = None, queue_limit: int = 4):
         self.loop = asyncio.new_event_loop()
@@ -46,7 +46,7 @@ class Harness:
         self.store = JobStore(sqlite3.connect(":memory:"))
         settings = ProxySettings(groups=groups or {}, queue_limit=queue_limit)
         config = ProxyConfig(settings, {p.name: p for p in profiles}, Path("/nonexistent/proxy.yaml"))
-        self.s = Scheduler(config, self.fx, self.store, clock=lambda: self.now)
+        self.s = Controller(config, self.fx, self.store, clock=lambda: self.now)
 
     def close(self) -> None:
         self.loop.close()

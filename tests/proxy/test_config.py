@@ -1,11 +1,14 @@
 """Profiles are validated at start: every problem of every file at once, with file, profile, field."""
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from proxy.config import ConfigError, load_config
+from proxy.config import ProxyConfigError, load_config
+from tests.ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -56,7 +59,7 @@ c:
 a:
   args: [-m, z]
 """)
-    with pytest.raises(ConfigError) as info:
+    with pytest.raises(ProxyConfigError) as info:
         load_config(path)
     text = str(info.value)
     for expected in ("one.yaml: profile 'a': replicaz: unknown key",
@@ -69,9 +72,39 @@ a:
     assert text.startswith("6 problem(s)")
 
 
+BAD_DTYPE = "smollm2: {args: [-m, default, -np, '2', --dtype, nosuch]}\n"
+BAD_DTYPE_MESSAGE = "profile 'smollm2': args: --dtype='nosuch': must be one of f32, bf16, int8"
+
+
+def test_profile_args_are_read_by_the_servers_own_flag_parser(tmp_path):
+    path = write(tmp_path, "groups: {}\n", one=BAD_DTYPE, two="""
+fine: {args: [-m, x, --spec-type, ngram, --spec-draft-p-min, "0.25"]}
+zero: {args: [-m, x, -c, "0"]}
+typo: {args: [-m, x, --ctx-sise, "4096"]}
+""")
+    with pytest.raises(ProxyConfigError) as info:
+        load_config(path)
+    problems = str(info.value).splitlines()
+    assert problems[0] == "3 problem(s) in the proxy config:"
+    assert problems[1:] == [f"{tmp_path}/profiles/one.yaml: {BAD_DTYPE_MESSAGE}",
+                            f"{tmp_path}/profiles/two.yaml: profile 'zero': args: --ctx-size='0': "
+                            "must be an integer >= 1",
+                            f"{tmp_path}/profiles/two.yaml: profile 'typo': args: unrecognized arguments: "
+                            "--ctx-sise 4096"]
+
+
+def test_the_proxy_exits_2_at_start_naming_the_bad_profile_flag(tmp_path):
+    path = write(tmp_path, "groups: {}\n", one=BAD_DTYPE)
+    run = subprocess.run([sys.executable, "-m", "proxy", "--config", str(path), "--port", str(free_port()),
+                          "--state-dir", str(tmp_path / "state")], cwd=REPO, capture_output=True, text=True,
+                         timeout=60)
+    assert run.returncode == 2, run.stderr
+    assert BAD_DTYPE_MESSAGE in run.stderr and not (tmp_path / "state").exists()
+
+
 def test_unknown_proxy_setting_is_named(tmp_path):
     path = write(tmp_path, "prot: 1\n", one="a: {args: [-m, x]}\n")
-    with pytest.raises(ConfigError, match=r"proxy.yaml: prot: unknown key"):
+    with pytest.raises(ProxyConfigError, match=r"proxy.yaml: prot: unknown key"):
         load_config(path)
 
 
@@ -87,8 +120,7 @@ def test_props_are_checked_against_what_the_profile_states():
 
 
 def test_the_proxy_never_imports_torch_or_the_engine():
-    import subprocess
-    import sys
-    code = ("import sys, proxy.__main__, proxy.app; "
-            "bad = [m for m in sys.modules if m == 'torch' or m.split('.')[0] == 'engine']; assert not bad, bad")
+    """Only the engine's torch-free option names, through the server's flag parser."""
+    code = ("import sys, proxy.__main__, proxy.app; bad = [m for m in sys.modules if m == 'torch' or "
+            "(m.split('.')[0] == 'engine' and m not in ('engine', 'engine.options'))]; assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, timeout=60)

@@ -1,4 +1,4 @@
-"""The scheduler's decisions, driven event by event with fake effects (no processes, no HTTP)."""
+"""The controller's decisions, driven event by event with fake effects (no processes, no HTTP)."""
 from __future__ import annotations
 
 import re

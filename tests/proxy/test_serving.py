@@ -175,7 +175,7 @@ def test_unload_during_a_long_stream_lets_it_finish_then_the_server_is_gone(prox
         assert refused.status_code == 503 and "being unloaded" in refused.text
         events += sse_events(lines)
         stream_ended = time.time()
-    assert events[-1] == "[DONE]" and events[-2]["usage"]["completion_tokens"] == tokens
+    assert events[-1] == "[DONE]" and events[-2]["timings"]["predicted_n"] == tokens
     done = proxy.wait_job(unload["id"], 30)
     assert done["status"] == "succeeded" and done["finished_at"] >= stream_ended - 0.5
     assert not alive(replica["pid"]) and proxy.replicas("spare") == []

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -15,14 +14,10 @@ from pathlib import Path
 
 import httpx
 
+from tests.ports import free_port
+
 ROOT = Path(__file__).resolve().parents[2]
 LOAD_TIMEOUT = 180.0  # the default model loads in ~12 s on an idle machine; colleagues share it
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class ServerProcess:

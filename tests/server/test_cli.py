@@ -1,8 +1,16 @@
 """llama-server's flag names map onto EngineConfig and ServerSettings; bad combinations fail early."""
+import subprocess
+import sys
+
 import pytest
 
 from engine.errors import ConfigError
+from engine.kv_cache import KV_DTYPES
+from engine.options import DTYPES, KV_CACHE_TYPES
+from engine.quant import TORCH_DTYPES
 from server.cli import parse
+from server.flags import FlagError, parse_flags
+from tests.server.helpers import ROOT
 
 
 def test_llama_server_flags_map_onto_the_configs():
@@ -17,14 +25,35 @@ def test_llama_server_flags_map_onto_the_configs():
     assert (settings.host, settings.port, settings.alias, settings.api_key) == ("127.0.0.1", 8080, "a", "k")
 
 
-@pytest.mark.parametrize("argv,word", [
-    (["--spec-type", "mtp"], "spec_draft_model=None: is required"),
-    (["-np", "0"], "parallel"),
-    (["--port", "0"], "port"),
+@pytest.mark.parametrize("argv,message", [
+    (["-np", "0"], "--parallel='0': must be an integer >= 1"),
+    (["--port", "0"], "--port='0': must be an integer in [1, 65535]"),
+    (["--dtype", "nosuch"], "--dtype='nosuch': must be one of f32, bf16, int8"),
+    (["-ctk", "q4"], "--cache-type-k='q4': must be one of f32, f16, bf16, q8_0"),
+    (["--spec-draft-p-min", "nan"], "--spec-draft-p-min='nan': must be a number in [0, 1]"),
+    (["-c", "4k"], "--ctx-size='4k': must be an integer >= 1"),
+    (["--ctx-size"], "argument -c/--ctx-size: expected one argument"),
+    (["--devices", "cuda:0"], "unrecognized arguments: --devices cuda:0"),
 ])
-def test_bad_flags_are_refused_naming_the_flag(argv, word):
-    with pytest.raises(ConfigError, match=word):
-        parse(argv)
+def test_a_bad_flag_is_one_message_naming_flag_value_and_rule(argv, message):
+    with pytest.raises(FlagError) as e:
+        parse_flags(argv)
+    assert str(e.value) == message
+
+
+def test_a_combination_of_flags_is_the_engines_to_refuse():
+    with pytest.raises(ConfigError, match="spec_draft_model=None: is required"):
+        parse(["--spec-type", "mtp"])
+
+
+def test_the_flag_parser_imports_no_torch_and_no_engine_model_code():
+    code = ("import sys, server.flags; bad = [m for m in sys.modules if m == 'torch' or "
+            "(m.split('.')[0] == 'engine' and m not in ('engine', 'engine.options'))]; assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=60)
+
+
+def test_the_engines_torch_types_are_keyed_by_the_names_the_flags_accept():
+    assert tuple(TORCH_DTYPES) == DTYPES and tuple(KV_DTYPES) == KV_CACHE_TYPES
 
 
 @pytest.mark.parametrize("argv,types", [

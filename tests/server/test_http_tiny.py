@@ -76,6 +76,22 @@ def test_chat_completion_object_and_stream_agree(client):
     assert text == whole["choices"][0]["message"]["content"]
 
 
+@pytest.mark.parametrize("path,body", [("/v1/chat/completions", CHAT), ("/v1/completions", {"prompt": "hello"})])
+def test_a_stream_carries_usage_only_when_include_usage_asks_as_openais_does(client, path, body):
+    body = {**body, "max_tokens": 5, "ignore_eos": True, "stream": True}
+    with client.stream("POST", path, json=body) as r:
+        plain = list(sse_events(r))
+    assert not any("usage" in c for c in plain)
+    assert plain[-1]["choices"][0]["finish_reason"] == "length" and plain[-1]["timings"]["predicted_n"] == 5
+    with client.stream("POST", path, json={**body, "stream_options": {"include_usage": True}}) as r:
+        counted = list(sse_events(r))
+    *rest, finish, usage = counted
+    assert not any("usage" in c for c in [*rest, finish]) and finish["choices"][0]["finish_reason"] == "length"
+    assert usage["choices"] == [] and usage["object"] == finish["object"] and usage["id"] == finish["id"]
+    assert usage["usage"]["completion_tokens"] == 5 == usage["timings"]["predicted_n"]
+    assert usage["usage"]["total_tokens"] == usage["usage"]["prompt_tokens"] + 5
+
+
 def test_text_completion_accepts_token_ids_and_gives_logprobs(client):
     ids = client.post("/tokenize", json={"content": "abc"}).json()["tokens"]
     assert client.post("/detokenize", json={"tokens": ids}).json()["content"] == "abc"

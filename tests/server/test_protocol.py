@@ -3,9 +3,9 @@ import subprocess
 import sys
 
 import pytest
-from pydantic import ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError
 
-from server.protocol import ChatCompletionRequest, CompletionRequest, error_body
+from server.protocol import ChatCompletionRequest, CompletionRequest, error_body, validation_problems
 from tests.server.helpers import ROOT
 
 
@@ -17,6 +17,31 @@ def test_protocol_imports_without_torch_or_engine():
 def test_error_shape_is_openais():
     assert error_body(503, "Loading model") == {"error": {"code": 503, "message": "Loading model",
                                                           "type": "unavailable_error"}}
+
+
+def test_validation_problems_name_the_field_and_the_rule_one_line_each():
+    with pytest.raises(ValidationError) as e:
+        ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], temperature=-1, top_k="many")
+    assert validation_problems(e.value.errors()) == [
+        "temperature: must be >= 0", "top_k: Input should be a valid integer, unable to parse string as an integer"]
+    with pytest.raises(ValidationError) as e:
+        CompletionRequest()
+    assert validation_problems(e.value.errors()) == ["prompt: field required"]
+
+
+def test_validation_problems_word_malformed_json_and_unknown_keys():
+    with pytest.raises(ValidationError) as e:
+        ChatCompletionRequest.model_validate_json('{"messages": [')
+    [problem] = validation_problems(e.value.errors())
+    assert problem.startswith("malformed JSON: ")
+
+    class Strict(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+        x: int = 0
+
+    with pytest.raises(ValidationError) as e:
+        Strict(y=1)
+    assert validation_problems(e.value.errors()) == ["y: unknown key"]
 
 
 @pytest.mark.parametrize("extra,field", [

@@ -20,5 +20,5 @@ def test_sigterm_lets_the_stream_finish_then_exits_0(start_server, tiny_model):
         assert late.status_code == 503 and "shutting down" in late.json()["error"]["message"]
         chunks += list(events)
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
-    assert chunks[-1]["usage"]["completion_tokens"] == 600
+    assert chunks[-1]["timings"]["predicted_n"] == 600
     assert server.proc.wait(timeout=60) == 0, server.log_text()

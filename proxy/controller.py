@@ -1,4 +1,4 @@
-"""The proxy's one state-owning task: jobs, models, replicas and waiting requests.
+"""The proxy's controller, its one state-owning task: jobs, models, replicas and waiting requests.
 
 Everything that changes state arrives as an event on one queue and is handled to completion before
 the next (no awaits inside `handle`, so no locks). Long work (starting servers, stopping them,
@@ -22,7 +22,7 @@ from server.protocol import APIError
 log = logging.getLogger("tandem.proxy")
 
 
-class Scheduler:
+class Controller:
     def __init__(self, config: ProxyConfig, effects: ev.Effects, store: JobStore, clock=time.time):
         self.config, self.effects, self.store, self.clock = config, effects, store, clock
         self.models: dict[str, ModelState] = {}
@@ -46,7 +46,7 @@ class Scheduler:
             try:
                 self.handle(event)
             except Exception:  # a bug in one decision must not stop the proxy
-                log.exception("scheduler failed on %r", event)
+                log.exception("controller failed on %r", event)
 
     async def submit(self, type_: JobType, model: str, trigger: Trigger = Trigger.api) -> Job:
         reply = asyncio.get_running_loop().create_future()

@@ -1,0 +1,165 @@
+"""The server's command-line flags, named as llama-server's, parsed into ServerFlags: plain values,
+each checked for its own syntax and range. Rules between flags (a context that fits the slots, a
+draft model for a drafter that needs one) are the engine's, checked when server/cli.py builds its
+config from these values.
+
+Imports no torch and no engine model code: the proxy checks its profiles' args with it."""
+from __future__ import annotations
+
+import argparse
+import math
+from dataclasses import dataclass, fields
+from typing import Callable, Sequence
+
+from engine.options import DTYPES, KV_CACHE_TYPES, SPEC_TYPES
+
+DEFAULT_BODY_LIMIT = 8 * 2**20
+
+
+class FlagError(ValueError):
+    """A command line the server does not take, as one line naming the flag, the value and the rule."""
+
+
+@dataclass(frozen=True)
+class ServerFlags:
+    model: str = "default"
+    ctx_size: int = 4096
+    parallel: int = 1
+    batch_size: int = 2048
+    ubatch_size: int = 512
+    threads: int | None = None
+    dtype: str = "f32"
+    kv_unified: bool = False
+    cache_type_k: str | None = None
+    cache_type_v: str | None = None
+    chat_template: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 8080
+    alias: str | None = None
+    api_key: str | None = None
+    body_limit: int = DEFAULT_BODY_LIMIT
+    drain_timeout: float = 60.0
+    spec_type: str | None = None  # as given: a name or an alias in engine.options.SPEC_TYPES
+    spec_draft_model: str | None = None
+    spec_draft_n_min: int = 0
+    spec_draft_n_max: int = 3
+    spec_draft_p_min: float = 0.5
+    spec_ngram_size_n: int = 3
+    spec_draft_device: str = "cpu"
+    help: bool = False
+
+
+class _Broken(Exception):
+    """A value breaks its flag's rule (the message is the rule)."""
+
+
+def _text(value: str) -> str:
+    return value
+
+
+def _ranged(kind: type[int] | type[float], low: float, high: float | None = None) -> Callable[[str], float]:
+    """`kind` parses the text (int refuses "2.5"); the number must lie in [low, high]."""
+    noun = "an integer" if kind is int else "a number"
+    rule = f"must be {noun} >= {low:g}" if high is None else f"must be {noun} in [{low:g}, {high:g}]"
+
+    def convert(value: str) -> float:
+        try:
+            x = kind(value)
+        except ValueError:
+            raise _Broken(rule) from None
+        if not math.isfinite(x) or x < low or (high is not None and x > high):
+            raise _Broken(rule)
+        return x
+    return convert
+
+
+def _one_of(names) -> Callable[[str], str]:
+    rule = f"must be one of {', '.join(names)}"
+
+    def convert(value: str) -> str:
+        if value not in names:
+            raise _Broken(rule)
+        return value
+    return convert
+
+
+@dataclass(frozen=True)
+class _Flag:
+    names: tuple[str, ...]
+    help: str
+    convert: Callable[[str], object] | None = _text  # None: a switch, true when given
+
+    @property
+    def dest(self) -> str:
+        return self.names[-1].lstrip("-").replace("-", "_")
+
+
+_FLAGS = (
+    _Flag(("-m", "--model"), "HF directory, .gguf file, or 'default' (SmolLM2-135M)"),
+    _Flag(("-c", "--ctx-size"), "total context, split across the slots", _ranged(int, 1)),
+    _Flag(("-np", "--parallel"), "slots: requests generated at once", _ranged(int, 1)),
+    _Flag(("-b", "--batch-size"), "most tokens one engine step takes", _ranged(int, 1)),
+    _Flag(("-ub", "--ubatch-size"), "most prompt tokens one forward takes", _ranged(int, 1)),
+    _Flag(("-t", "--threads"), "torch threads", _ranged(int, 1)),
+    _Flag(("--dtype",), "weight format", _one_of(DTYPES)),
+    _Flag(("--kv-unified",), "one KV pool shared by all slots", None),
+    _Flag(("-ctk", "--cache-type-k"),
+          "KV cache type for K (default: the compute type, f32 or bf16 with --dtype bf16)", _one_of(KV_CACHE_TYPES)),
+    _Flag(("-ctv", "--cache-type-v"), "for V (default: as K)", _one_of(KV_CACHE_TYPES)),
+    _Flag(("--chat-template",), "a Jinja chat template file replacing the model's"),
+    _Flag(("--host",), "address to listen on"),
+    _Flag(("--port",), "port to listen on", _ranged(int, 1, 65535)),
+    _Flag(("--alias",), "the model name served (requests may also say 'default')"),
+    _Flag(("--api-key",), "require 'Authorization: Bearer KEY' on every endpoint but /health"),
+    _Flag(("--body-limit",), "largest request body, bytes", _ranged(int, 1)),
+    _Flag(("--drain-timeout",), "seconds in-flight requests get to finish after SIGTERM", _ranged(float, 0)),
+    _Flag(("--spec-type",), "drafter for speculative decoding", _one_of(sorted(SPEC_TYPES))),
+    _Flag(("-md", "--spec-draft-model"), "the MTP draft file (draft-mtp) or draft model (draft-simple)"),
+    _Flag(("--spec-draft-n-min",), "draft fewer than this: decode normally", _ranged(int, 0)),
+    _Flag(("--spec-draft-n-max",), "most tokens drafted per step", _ranged(int, 1)),
+    _Flag(("--spec-draft-p-min",), "stop drafting when the draft's top-1 probability is below this",
+          _ranged(float, 0, 1)),
+    _Flag(("--spec-ngram-size-n",), "n-gram length ngram-simple looks up", _ranged(int, 1)),
+    _Flag(("--spec-draft-device",), "device the draft runs on", _one_of(("cpu",))),
+    _Flag(("-h", "--help"), "show the flags and exit", None),
+)
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):
+        raise FlagError(message)  # the caller decides: the server exits 2, the proxy names the profile
+
+
+def _parser() -> argparse.ArgumentParser:
+    defaults = {f.name: f.default for f in fields(ServerFlags)}
+    p = _Parser(prog="python -m server", add_help=False, argument_default=argparse.SUPPRESS,
+                description="tandem: one model behind an OpenAI-style HTTP server (flags as llama-server's)")
+    for flag in _FLAGS:
+        default = defaults[flag.dest]
+        shown = "" if default is None or flag.convert is None else f" (default: {default})"
+        if flag.convert is None:
+            p.add_argument(*flag.names, action="store_true", help=flag.help)
+        else:
+            p.add_argument(*flag.names, metavar=flag.dest.upper(), help=flag.help + shown)
+    return p
+
+
+def help_text() -> str:
+    return _parser().format_help()
+
+
+def parse_flags(argv: Sequence[str] | None = None) -> ServerFlags:
+    """Raises FlagError: `--dtype='nosuch': must be one of f32, bf16, int8`."""
+    given = vars(_parser().parse_args(argv))
+    values = {}
+    for flag in _FLAGS:
+        if flag.dest not in given:
+            continue
+        value = given[flag.dest]
+        if flag.convert is not None:
+            try:
+                value = flag.convert(value)
+            except _Broken as e:
+                raise FlagError(f"{flag.names[-1]}={value!r}: {e}") from None
+        values[flag.dest] = value
+    return ServerFlags(**values)
