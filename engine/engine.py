@@ -253,10 +253,10 @@ class Engine:
                 continue
             try:
                 self.step()
-            except Exception:  # a bug: fail what is in flight, keep serving
+            except Exception:  # a bug outside the guarded parts (planning): fail what is in flight
                 log.exception("engine step failed; finishing the running requests with an error")
                 for req in self.scheduler.running + list(self.scheduler.waiting):
-                    self._finish(req, "error")
+                    self._fail(req)
 
     def _drain_inbox(self) -> None:
         while not self._inbox.empty():
@@ -268,18 +268,47 @@ class Engine:
 
     def step(self) -> None:
         """One engine step: plan the rows, run them in one forward, then apply each row's result
-        to its request (tokens verified, emitted, committed), then draft for the next step."""
+        to its request (tokens verified, emitted, committed), then draft for the next step. A
+        failure fails only the requests it touched: the forward's, or one row's, or one draft's."""
         plan = self.scheduler.plan(time.perf_counter())
         self.stats.preemptions += len(plan.preempted)
         if not plan.rows:
             return
         self.stats.steps += 1
         self.stats.busy_slots += len(plan.rows)
-        out = self._forward(plan.rows)
-        spans = [self._apply(p, out, i) for i, p in enumerate(plan.rows)]
+        try:
+            out = self._forward(plan.rows)
+        except Exception:
+            log.exception("forward failed; failing the %d request(s) in this step", len(plan.rows))
+            for p in plan.rows:
+                self._fail(p.request)
+            return
+        spans = []
+        for i, p in enumerate(plan.rows):
+            try:
+                spans.append(self._apply(p, out, i))
+            except Exception:
+                log.exception("request %s failed in its step", p.request.id)
+                self._fail(p.request)
         if self.drafter is not None:
-            for req, draft in self.drafter.draft([s for s in spans if s is not None]).items():
-                req.draft = draft
+            self._draft([s for s in spans if s is not None and s.request.status is Status.RUNNING])
+
+    def _draft(self, spans: list[Span]) -> None:
+        """Drafts for the next step, batched; when the batch fails, each request drafts alone so
+        that only the one that fails loses its stream."""
+        try:
+            drafts = self.drafter.draft(spans)
+        except Exception:
+            log.exception("drafting failed for a batch of %d; drafting each alone", len(spans))
+            drafts = {}
+            for span in spans:
+                try:
+                    drafts.update(self.drafter.draft([span]))
+                except Exception:
+                    log.exception("request %s failed drafting", span.request.id)
+                    self._fail(span.request)
+        for req, draft in drafts.items():
+            req.draft = draft
 
     def _forward(self, rows: list[PlannedRow]) -> "StepResult":
         batch = ForwardBatch.build([p.row for p in rows])
@@ -355,6 +384,10 @@ class Engine:
             self._finish(req, reason, new, logprobs)
         else:
             req.on_output(StepOutput(req, new, False, logprobs))
+
+    def _fail(self, req: Request) -> None:
+        if req.status is not Status.FINISHED:
+            self._finish(req, "error")
 
     def _finish(self, req: Request, reason: str, tokens: list[int] | None = None,
                 logprobs: list[dict] | None = None) -> None:

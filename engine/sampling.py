@@ -2,6 +2,14 @@
 
 The sampler exposes the final distribution as well as a draw from it, because speculative
 verification needs the target's distribution p for its acceptance rule.
+
+Sampling is total over every value validation admits (finite numbers in each field's range), so
+no request's parameters can make it raise. The extreme values mean:
+- a temperature below MIN_TEMPERATURE is greedy, as 0 is;
+- penalties and biases act in float64, and each adjusted logit is clamped to +-LOGIT_LIMIT: a bias
+  of 1e39 makes a token certain, one of -1e39 bans it; a repetition penalty of 1e308 takes a
+  recent token's positive logit to 0, one of 1e-300 makes the likeliest recent token certain;
+- top_p and min_p always keep the most likely token, however small they are.
 """
 from __future__ import annotations
 
@@ -13,11 +21,14 @@ import torch
 from engine.errors import check_rules
 
 PENALTY_LAST_N = 64  # as llama.cpp: penalties look at the last 64 tokens of the sequence
+MIN_TEMPERATURE = 1e-6
+# Far beyond any model's logits, and small enough that LOGIT_LIMIT / MIN_TEMPERATURE is finite in f32.
+LOGIT_LIMIT = 1e6
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    temperature: float = 1.0  # 0 is greedy
+    temperature: float = 1.0  # 0 (or below MIN_TEMPERATURE) is greedy
     top_k: int = 0  # 0: off
     top_p: float = 1.0
     min_p: float = 0.0
@@ -48,7 +59,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < MIN_TEMPERATURE
 
     @property
     def has_penalties(self) -> bool:
@@ -62,21 +73,23 @@ def make_generator(seed: int | None) -> torch.Generator:
 
 
 def adjust_logits(logits: torch.Tensor, params: SamplingParams, history: list[int]) -> torch.Tensor:
-    """Penalties and logit bias applied to one row of f32 logits [vocab] (returns a new tensor)."""
-    logits = logits.clone()
+    """Penalties and logit bias applied to one row of logits [vocab]: a new f32 tensor, each value
+    within +-LOGIT_LIMIT."""
+    logits = logits.double()
     if params.has_penalties and history:
         recent = torch.tensor(history[-PENALTY_LAST_N:], dtype=torch.long)
         ids, counts = recent.unique(return_counts=True)
         selected = logits[ids]
         if params.repetition_penalty != 1:
             selected = torch.where(selected > 0, selected / params.repetition_penalty,
-                                   selected * params.repetition_penalty)
-        selected = selected - params.frequency_penalty * counts - params.presence_penalty
-        logits[ids] = selected
+                                   selected * params.repetition_penalty).clamp(-LOGIT_LIMIT, LOGIT_LIMIT)
+        # Each term is finite or infinite, never NaN: selected is clamped, the penalties are finite.
+        selected = selected - params.frequency_penalty * counts.double() - params.presence_penalty
+        logits[ids] = selected.clamp(-LOGIT_LIMIT, LOGIT_LIMIT)
     if params.logit_bias:
         ids = torch.tensor(list(params.logit_bias), dtype=torch.long)
         logits[ids] += torch.tensor(list(params.logit_bias.values()), dtype=logits.dtype)
-    return logits
+    return logits.clamp(-LOGIT_LIMIT, LOGIT_LIMIT).float()
 
 
 def distribution(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -95,9 +108,9 @@ def distribution(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         probs = probs.masked_fill(probs < params.min_p * probs.max(), 0.0)
     if params.top_p < 1:
         sorted_probs, order = probs.sort(descending=True)
-        before = sorted_probs.cumsum(0) - sorted_probs
-        sorted_probs = sorted_probs.masked_fill(before >= params.top_p * sorted_probs.sum(), 0.0)
-        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+        drop = sorted_probs.cumsum(0) - sorted_probs >= params.top_p * sorted_probs.sum()
+        drop[0] = False  # a top_p too small to hold any token still holds the likeliest
+        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs.masked_fill(drop, 0.0))
     return probs / probs.sum()
 
 

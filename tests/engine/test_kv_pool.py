@@ -2,8 +2,6 @@
 when the pool runs out mid-generation (the youngest request is paused, then resumes and finishes)."""
 from __future__ import annotations
 
-import queue
-
 import pytest
 import torch
 
@@ -11,6 +9,7 @@ from engine.drafter import SpecConfig
 from engine.engine import Engine, EngineConfig
 from engine.kv_cache import PagedKVCache, PagePool
 from engine.sampling import SamplingParams
+from tests.engine.runs import run_all
 
 
 def test_pool_gives_contiguous_pages_when_it_can_and_takes_nothing_when_short():
@@ -38,18 +37,6 @@ def test_paged_reads_return_what_was_written_for_interleaved_slots():
         keys, values = cache.read(0, slot, 20)
         expected = torch.cat(written[slot], dim=1)
         assert torch.equal(keys, expected) and torch.equal(values, -expected)
-
-
-def run_all(engine: Engine, prompts: list[list[int]], params: SamplingParams):
-    outputs: queue.SimpleQueue = queue.SimpleQueue()
-    requests = [engine.submit(p, params, outputs.put, cache_prompt=False) for p in prompts]
-    finished = 0
-    while finished < len(requests):
-        while outputs.empty():
-            engine._drain_inbox()
-            engine.step()
-        finished += outputs.get().finished
-    return requests
 
 
 @pytest.fixture(scope="module")

@@ -81,3 +81,42 @@ def test_bad_parameters_are_refused_with_field_and_rule(field, value, message):
     with pytest.raises(ConfigError) as e:
         SamplingParams(**{field: value})
     assert str(e.value) == message
+
+
+EXTREMES = [0.0, 5e-324, 1e-300, 1e-6, 1.0, 1e39, 1.7976931348623157e308]
+
+
+def _extreme_params() -> list[SamplingParams]:
+    """Every numeric sampling field at every extreme value validation admits."""
+    out = []
+    for v in EXTREMES:
+        out += [SamplingParams(temperature=v), SamplingParams(top_p=v) if 0 < v <= 1 else SamplingParams(),
+                SamplingParams(min_p=v) if v <= 1 else SamplingParams(), SamplingParams(top_k=min(int(v), 2**62))]
+        if v > 0:
+            out.append(SamplingParams(repetition_penalty=v))
+        for sign in (1, -1):
+            out += [SamplingParams(presence_penalty=sign * v), SamplingParams(frequency_penalty=sign * v),
+                    SamplingParams(logit_bias={3: sign * v, 1: -sign * v})]
+    out.append(SamplingParams(temperature=1e-300, top_p=1e-300, min_p=1.0, repetition_penalty=1e-300,
+                              presence_penalty=-1.7e308, frequency_penalty=1.7e308, logit_bias={2: 1e308}))
+    return out
+
+
+@pytest.mark.parametrize("params", _extreme_params(), ids=repr)
+def test_sampling_is_total_over_every_value_validation_admits(params):
+    history = [0, 1, 1, 4]
+    for greedy in (params, SamplingParams(**{**params.__dict__, "temperature": 0})):
+        probs = distribution(adjust_logits(LOGITS, greedy, history), greedy)
+        assert torch.isfinite(probs).all() and probs.min() >= 0 and float(probs.sum()) == pytest.approx(1.0)
+        assert 0 <= choose(LOGITS, greedy, history, make_generator(1)) < len(LOGITS)
+
+
+def test_extreme_values_have_their_documented_meaning():
+    g = make_generator(0)
+    assert SamplingParams(temperature=1e-300).greedy
+    assert distribution(LOGITS, SamplingParams(top_p=1e-300)).tolist() == [1.0, 0, 0, 0, 0, 0]
+    assert choose(LOGITS, SamplingParams(logit_bias={5: 1e39}), [], g) == 5
+    assert choose(LOGITS, SamplingParams(temperature=0, logit_bias={0: -1e39}), [], g) == 1
+    # a huge repetition penalty takes recent positive logits to 0; a vanishing one favours them
+    assert choose(LOGITS, SamplingParams(temperature=0, repetition_penalty=1e308), [0, 1], g) == 2
+    assert choose(LOGITS, SamplingParams(temperature=0, repetition_penalty=1e-300), [1, 2], g) == 1
