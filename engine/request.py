@@ -28,6 +28,7 @@ class RequestTimes:
     predicted_ms: float
     draft_n: int = 0
     draft_n_accepted: int = 0
+    recomputed_n: int = 0  # positions computed again after preemption, beyond prompt_n
 
 
 @dataclass
@@ -96,5 +97,5 @@ class Request:
         return RequestTimes(
             cache_n=self.cache_n, prompt_n=self.prompt_n, prompt_ms=1000.0 * (first - self.t_started),
             predicted_n=len(self.output_ids), predicted_ms=1000.0 * (end - first),
-            draft_n=self.draft_n, draft_n_accepted=self.draft_n_accepted,
+            draft_n=self.draft_n, draft_n_accepted=self.draft_n_accepted, recomputed_n=self.recomputed_n,
         )

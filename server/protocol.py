@@ -274,7 +274,8 @@ class Usage(BaseModel):
 
 
 class Timings(BaseModel):
-    """llama-server's `timings`; draft_n and draft_n_accepted only when drafting ran."""
+    """llama-server's `timings`; draft_n and draft_n_accepted only when drafting ran, recomputed_n
+    (positions computed again after the request was preempted and resumed) only when it was."""
     model_config = ConfigDict(extra="allow")
     cache_n: int
     prompt_n: int
@@ -287,6 +288,7 @@ class Timings(BaseModel):
     predicted_per_second: float
     draft_n: int | None = None
     draft_n_accepted: int | None = None
+    recomputed_n: int | None = None
 
     @classmethod
     def of(cls, t) -> "Timings":
@@ -304,7 +306,8 @@ class Timings(BaseModel):
                    predicted_n=t.predicted_n, predicted_ms=t.predicted_ms,
                    predicted_per_token_ms=per_token(t.predicted_ms, t.predicted_n),
                    predicted_per_second=per_second(t.predicted_ms, t.predicted_n),
-                   draft_n=t.draft_n if drafted else None, draft_n_accepted=t.draft_n_accepted if drafted else None)
+                   draft_n=t.draft_n if drafted else None, draft_n_accepted=t.draft_n_accepted if drafted else None,
+                   recomputed_n=t.recomputed_n or None)
 
 
 FinishReason = Literal["stop", "length", "cancelled", "error"]
