@@ -23,9 +23,9 @@ from engine.kv_cache import KV_DTYPES, KVCache, PagedKVCache
 from engine.model import Transformer
 from engine.quant import DTYPES
 from engine.request import Draft, Request, Status, StepOutput
-from engine.sampling import SamplingParams, adjust_logits, choose, distribution, make_generator
+from engine.sampling import SamplingParams, choose, logprob_entry, make_generator
 from engine.scheduler import PlannedRow, Scheduler
-from engine.speculative import Verdict, accept_greedy, accept_sampled
+from engine.speculative import Verdict, verify
 from engine.tokenizer import Tokenizer
 from engine.weights import ModelFiles, open_model
 
@@ -343,21 +343,12 @@ class Engine:
     def _verify(self, req: Request, logits: torch.Tensor) -> Verdict:
         """Which of the request's drafts the target keeps (logits: [1 + drafts, vocab], one per
         verified position), and the token it adds after them."""
-        draft, params = req.draft, req.params
-        drafts, req.draft = draft.tokens, Draft()
-        history = req.all_ids
-        if params.greedy:
-            argmax = [int(adjust_logits(row, params, history + drafts[:i]).argmax()) if params.has_penalties
-                      or params.logit_bias else int(row.argmax()) for i, row in enumerate(logits)]
-            verdict = accept_greedy(drafts, argmax)
-        else:
-            p = torch.stack([distribution(adjust_logits(row, params, history + drafts[:i]), params)
-                             for i, row in enumerate(logits)])
-            verdict = accept_sampled(drafts, p, draft.q if drafts else p[:0], req.generator)
-        if drafts:
-            req.draft_n += len(drafts)
+        draft, req.draft = req.draft, Draft()
+        verdict = verify(draft, logits, req.params, req.all_ids, req.generator)
+        if draft.tokens:
+            req.draft_n += len(draft.tokens)
             req.draft_n_accepted += verdict.accepted
-            self.stats.count_drafts(len(drafts), verdict.accepted)
+            self.stats.count_drafts(len(draft.tokens), verdict.accepted)
         return verdict
 
     def _emit(self, req: Request, tokens: list[int], logits: torch.Tensor, now: float) -> None:
@@ -379,7 +370,7 @@ class Engine:
         req.output_ids.extend(new)
         logprobs = None
         if params.logprobs is not None:
-            logprobs = [_logprob_entry(row, t, params.logprobs) for row, t in zip(logits, new)]
+            logprobs = [logprob_entry(row, t, params.logprobs) for row, t in zip(logits, new)]
         if reason:
             self._finish(req, reason, new, logprobs)
         else:
@@ -405,12 +396,3 @@ class StepResult:
     starts: list[int]  # each row's first token in `hidden`
     firsts: list[int]  # each row's first position in `logits`
     now: float
-
-
-def _logprob_entry(logits: torch.Tensor, token: int, top: int) -> dict:
-    lp = torch.log_softmax(logits.float(), dim=-1)
-    entry = {"token": token, "logprob": float(lp[token]), "top": []}
-    if top:
-        values, ids = lp.topk(top)
-        entry["top"] = [(int(i), float(v)) for i, v in zip(ids, values)]
-    return entry

@@ -126,3 +126,13 @@ def choose(logits: torch.Tensor, params: SamplingParams, history: list[int], gen
     if params.greedy:
         return int(logits.argmax())
     return sample(distribution(logits, params), generator)
+
+
+def logprob_entry(logits: torch.Tensor, token: int, top: int) -> dict:
+    """The chosen token's log-probability under raw logits [vocab], and the `top` most likely."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    entry = {"token": token, "logprob": float(lp[token]), "top": []}
+    if top:
+        values, ids = lp.topk(top)
+        entry["top"] = [(int(i), float(v)) for i, v in zip(ids, values)]
+    return entry

@@ -11,6 +11,9 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.request import Draft
+from engine.sampling import SamplingParams, adjust_logits, distribution
+
 
 @dataclass
 class Verdict:
@@ -49,3 +52,18 @@ def accept_sampled(drafts: list[int], p: torch.Tensor, q: torch.Tensor, generato
         dist = p[k]
     token = int(torch.multinomial(dist, 1, generator=generator))
     return Verdict(n, drafts[:n] + [token])
+
+
+def verify(draft: Draft, logits: torch.Tensor, params: SamplingParams, history: list[int],
+           generator: torch.Generator) -> Verdict:
+    """The verdict on a draft that followed `history`, from the target's logits at each verified
+    position ([1 + len(draft.tokens), vocab]). Penalties and bias apply at each position as if the
+    drafts before it had been emitted."""
+    drafts = draft.tokens
+    if params.greedy:
+        argmax = [int(adjust_logits(row, params, history + drafts[:i]).argmax()) if params.has_penalties
+                  or params.logit_bias else int(row.argmax()) for i, row in enumerate(logits)]
+        return accept_greedy(drafts, argmax)
+    p = torch.stack([distribution(adjust_logits(row, params, history + drafts[:i]), params)
+                     for i, row in enumerate(logits)])
+    return accept_sampled(drafts, p, draft.q if drafts else p[:0], generator)
