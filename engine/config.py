@@ -6,9 +6,10 @@ that receives a ModelConfig trusts it.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from engine.errors import ConfigError
+from engine.options import CompressRatios
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 ROPE_KINDS = ("default", "linear", "llama3", "yarn")
@@ -131,14 +132,27 @@ def _validate_compression(c: ModelConfig) -> None:
                f"qsa_budget={c.qsa_budget}: must be a positive multiple of the compress ratio {ratio}")
 
 
-def check_servable(c: ModelConfig, where: str = "") -> None:
-    """Refuses QSA layers, which the engine cannot run yet: a config naming them is valid (and
-    engine.validate summarises it), but serving those layers as dense attention would be wrong.
-    `where` prefixes the message (e.g. which flag named the model)."""
-    qsa = [i for i, ratio in enumerate(c.layer_ratios) if ratio]
-    if qsa:
-        raise ConfigError(f"{where}compress_ratios: layers {qsa} are QSA layers (ratio {c.layer_ratios[qsa[0]]}); "
-                          "this engine serves dense attention only (compress ratio 0), QSA is not implemented")
+def with_compression(c: ModelConfig, override: CompressRatios | None, budget: int | None,
+                     draft_ratios: tuple[int, ...] = ()) -> tuple[ModelConfig, tuple[int, ...]]:
+    """The target's config with --compress-ratios and --qsa-budget applied, and the detached draft's
+    layer ratios (its file's, unless the list form gives them after the trunk's). The trunk and the
+    draft are checked together: they share one ratio and the budget."""
+    n = c.num_layers
+    trunk = c.layer_ratios
+    if override is not None:
+        given = override.expand(n)
+        if len(given) == n:
+            trunk = given
+        elif draft_ratios and len(given) == n + len(draft_ratios):
+            trunk, draft_ratios = given[:n], given[n:]
+        else:
+            whole = f" or one per trunk and draft layer ({n} + {len(draft_ratios)})" if draft_ratios else ""
+            raise ConfigError(f"compress_ratios has {len(given)} entries: needs one per trunk layer ({n}){whole}")
+    built_in = c.compress_ratios[n:] or (0,) * c.num_nextn_predict_layers
+    target = replace(c, compress_ratios=trunk + built_in, qsa_budget=c.qsa_budget if budget is None else budget)
+    if draft_ratios:
+        replace(target, compress_ratios=trunk + draft_ratios, num_nextn_predict_layers=len(draft_ratios))
+    return target, draft_ratios
 
 
 def _get(d: dict, key: str, default=None):
@@ -251,16 +265,19 @@ def from_gguf_metadata(meta: dict, tensor_shapes: dict[str, tuple[int, ...]]) ->
         attention_bias="blk.0.attn_q.bias" in tensor_shapes, qk_norm="blk.0.attn_q_norm.weight" in tensor_shapes,
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=tuple(dict.fromkeys(t for t in (eos, eot) if t is not None)),
+        compress_ratios=tuple(int(r) for r in key("attention.compress_ratios", ())),
+        qsa_budget=int(key("attention.qsa_budget", 0)),
     )
 
 
 def kv_bytes_per_token(config: ModelConfig, bytes_per_value: float) -> dict[str, float]:
-    """KV bytes one position costs in one layer, per layer kind (QSA adds a pooled key per r positions)."""
+    """KV bytes one position costs in one layer, per layer kind (QSA adds an f32 pooled key per r
+    positions)."""
     kv = 2 * config.kv_size * bytes_per_value
     out = {"dense": kv}
     ratios = {r for r in config.layer_ratios if r}
     for r in ratios:
-        out[f"qsa r={r}"] = kv + config.kv_size * bytes_per_value / r
+        out[f"qsa r={r}"] = kv + config.kv_size * 4 / r
     return out
 
 

@@ -18,11 +18,12 @@ import torch
 
 from engine import mtp
 from engine.batch import ForwardBatch, Row
-from engine.config import ModelConfig, check_servable
+from engine.config import ModelConfig
 from engine.errors import ConfigError, check_rules
 from engine.kv_cache import KVCache
 from engine.model import Transformer
 from engine.ngram import ngram_draft
+from engine.qsa import LayerSpec
 from engine.options import SPEC_TYPES
 from engine.quant import compute_dtype
 from engine.request import Draft, Request
@@ -217,23 +218,26 @@ class DraftModelDrafter(CachedDrafter):
         return None, self.model.logits(out)
 
 
-def check_draft_files(spec: SpecConfig, target: ModelConfig) -> None:
-    """Header-level checks of the draft, before any weights are read."""
+def check_draft_files(spec: SpecConfig, target: ModelConfig) -> tuple[int, ...]:
+    """Header-level checks of the draft, before any weights are read. Returns the compress ratios
+    of a detached MTP draft's layers (empty for other drafters)."""
     if spec.type == "draft-mtp":
         header = mtp.read_header(spec.draft_model)
         if header.hidden_size != target.hidden_size:
             mtp.check_compatible(header, spec.draft_model, target, "")
-    elif spec.type == "draft-simple":
+        return header.compress_ratios
+    if spec.type == "draft-simple":
         files = open_model(spec.draft_model)
-        check_servable(files.config, f"spec_draft_model={spec.draft_model!r}: ")
         if files.config.vocab_size != target.vocab_size:
             raise ConfigError(f"spec_draft_model={spec.draft_model!r}: vocabulary of {files.config.vocab_size} "
                               f"tokens differs from the target's {target.vocab_size}")
+    return ()
 
 
 def load_drafter(spec: SpecConfig, target_model, target_tensors: dict, dtype: str, slots: int,
-                 ctx_per_slot: int) -> Drafter:
-    """The drafter for `spec`, with its own cache where it keeps one."""
+                 ctx_per_slot: int, draft_ratios: tuple[int, ...] = ()) -> Drafter:
+    """The drafter for `spec`, with its own cache where it keeps one. draft_ratios: a detached MTP
+    draft's layers' compress ratios, checked with the target's (engine.preflight)."""
     config = target_model.config
     if spec.type == "ngram-simple":
         return NgramDrafter(spec, config.vocab_size)
@@ -245,12 +249,14 @@ def load_drafter(spec: SpecConfig, target_model, target_tensors: dict, dtype: st
         # per drafted token: in f32 they cost a quarter of what int8 does, for the same proposals
         # nearly always. So a target computing in f32 (f32, int8) gets an int8 draft.
         draft_dtype = "int8" if compute_dtype(dtype) == torch.float32 else dtype
-        draft = mtp.MTPDraft(config, mtp.load_tensors(spec.draft_model), header.num_layers, draft_dtype, ctx_per_slot)
-        cache = KVCache(header.num_layers, slots, ctx_per_slot, config.num_kv_heads, config.head_dim,
-                        compute_dtype(dtype))
+        specs = [LayerSpec.of(r, config.qsa_budget) for r in draft_ratios or header.compress_ratios]
+        draft = mtp.MTPDraft(config, mtp.load_tensors(spec.draft_model), specs, draft_dtype, ctx_per_slot)
+        cache = KVCache(len(specs), slots, ctx_per_slot, config.num_kv_heads, config.head_dim, compute_dtype(dtype),
+                        specs=specs)
         return MTPDrafter(spec, draft, target_model, cache, config.vocab_size)
     files = open_model(spec.draft_model)
     c = files.config
     model = Transformer(c, files.load_tensors(), dtype, max_positions=max(ctx_per_slot, c.max_position_embeddings))
-    cache = KVCache(c.num_layers, slots, ctx_per_slot, c.num_kv_heads, c.head_dim, compute_dtype(dtype))
+    cache = KVCache(c.num_layers, slots, ctx_per_slot, c.num_kv_heads, c.head_dim, compute_dtype(dtype),
+                    specs=model.specs)
     return DraftModelDrafter(spec, model, cache, config.vocab_size)

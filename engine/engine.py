@@ -16,18 +16,19 @@ import torch
 
 from engine import kernels
 from engine.batch import ForwardBatch
-from engine.config import check_servable
-from engine.drafter import Drafter, SpecConfig, Span, check_draft_files, load_drafter
+from engine.drafter import Drafter, SpecConfig, Span, load_drafter
 from engine.errors import ConfigError, check_rules
 from engine.kv_cache import KV_DTYPES, KVCache, PagedKVCache
 from engine.model import Transformer
+from engine.options import CompressRatios
+from engine.preflight import describe_cache, read_headers
 from engine.quant import DTYPES
 from engine.request import Draft, Request, Status, StepOutput
 from engine.sampling import SamplingParams, choose, logprob_entry, make_generator
 from engine.scheduler import PlannedRow, Scheduler
 from engine.speculative import Verdict, verify
 from engine.tokenizer import Tokenizer
-from engine.weights import ModelFiles, open_model
+from engine.weights import ModelFiles
 
 log = logging.getLogger("tandem.engine")
 
@@ -46,6 +47,8 @@ class EngineConfig:
     threads: int | None = None
     chat_template: str | None = None
     spec: SpecConfig | None = None
+    compress_ratios: CompressRatios | None = None  # overrides the model's (and the draft's, in list form)
+    qsa_budget: int | None = None  # overrides the model's
 
     def __post_init__(self) -> None:
         kv_types = f"must be one of {', '.join(KV_DTYPES)}"
@@ -133,15 +136,12 @@ class Engine:
     def load(cls, config: EngineConfig) -> "Engine":
         if config.threads:
             torch.set_num_threads(config.threads)
-        files = open_model(config.model)  # headers only: every config error is raised here
-        mc = files.config
-        check_servable(mc)
+        headers = read_headers(config)  # every config error is raised here, before weights are read
+        files, mc = headers.files, headers.model
         if config.ctx_per_slot > mc.max_position_embeddings:
             log.warning("ctx per slot %d exceeds the model's trained context %d",
                         config.ctx_per_slot, mc.max_position_embeddings)
         tokenizer = Tokenizer.load(files, config.chat_template)
-        if config.spec is not None:
-            check_draft_files(config.spec, mc)
         t0 = time.perf_counter()
         # Build (or find) the CPU kernels now, not in the first request's forward: the server
         # reports healthy only after load, and a first build takes about a minute.
@@ -151,20 +151,20 @@ class Engine:
                             max_positions=max(config.ctx_per_slot, mc.max_position_embeddings))
         drafter = None
         if config.spec is not None:
-            drafter = load_drafter(config.spec, model, tensors, config.dtype, config.parallel, config.ctx_per_slot)
+            drafter = load_drafter(config.spec, model, tensors, config.dtype, config.parallel, config.ctx_per_slot,
+                                   headers.draft_ratios)
         del tensors
         log.info("loaded %s (%s, %s) in %.1f s", files.path, mc.family, config.dtype, time.perf_counter() - t0)
         kv_dtypes = tuple(KV_DTYPES[t] for t in config.kv_types)
         if config.kv_unified:
             cache = PagedKVCache(mc.num_layers, config.parallel, config.ctx_size, mc.num_kv_heads, mc.head_dim,
-                                 *kv_dtypes)
-            log.info("KV cache: %d layers (%d dense) x 1 unified pool of %d positions for %d slots = %.0f MiB",
-                     mc.num_layers, mc.num_layers, cache.capacity, config.parallel, cache.nbytes / 2**20)
+                                 *kv_dtypes, specs=model.specs)
+            slots = f"1 unified pool of {cache.capacity} positions for {config.parallel} slots"
         else:
             cache = KVCache(mc.num_layers, config.parallel, config.ctx_per_slot, mc.num_kv_heads, mc.head_dim,
-                            *kv_dtypes)
-            log.info("KV cache: %d layers (%d dense) x %d slots x %d ctx = %.0f MiB", mc.num_layers,
-                     mc.num_layers, config.parallel, config.ctx_per_slot, cache.nbytes / 2**20)
+                            *kv_dtypes, specs=model.specs)
+            slots = f"{config.parallel} slots x {config.ctx_per_slot} ctx"
+        log.info("KV cache: %s", describe_cache(model.specs, slots, cache.nbytes, cache.kpool_nbytes))
         eos = set(mc.eos_token_ids)
         if tokenizer.eos_token_id is not None:
             eos.add(tokenizer.eos_token_id)

@@ -1,13 +1,24 @@
 """The KV cache: preallocated, written in place, never reallocated.
 
-Two layouts behind one interface (`write`, `read`, `ensure`, `truncate`), the one model.py uses:
+Two layouts behind one interface (`write`, `read`, `read_pool`, `ensure`, `truncate`), the one
+model.py uses:
 - `KVCache`: each slot owns ctx_per_slot positions (llama-server's default split of --ctx-size);
 - `PagedKVCache`: one pool of positions in pages that any slot may use (--kv-unified).
 Either stores floats, or q8_0 (`Q8Storage`: int8 with one scale per block of 32 values).
+
+Each layer's storage follows its LayerSpec: a dense layer keeps K and V; a QSA layer also keeps
+`kpool`, one f32 pooled key per block of `ratio` positions (engine/qsa.py), which a write recomputes
+for every block whose last position it writes. Positions are written in order from a slot's
+committed length, so that rule keeps each complete block's entry equal to the mean of its current
+keys, through prompt chunks ending mid-block and drafts rejected and rewritten.
 """
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
+
+from engine.qsa import DENSE, LayerSpec, block_means
 
 # q8_0 is named by torch.int8 here; the cache stores it as Q8Storage, which reads back as float32.
 KV_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16, "q8_0": torch.int8}
@@ -62,7 +73,13 @@ def _storage(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | Q8Sto
 
 
 def _nbytes(stores) -> int:
-    return sum(s.nbytes if isinstance(s, Q8Storage) else s.numel() * s.element_size() for s in stores)
+    return sum(s.nbytes if isinstance(s, Q8Storage) else s.numel() * s.element_size() for s in stores if s is not None)
+
+
+def _specs(specs: Sequence[LayerSpec] | None, num_layers: int) -> list[LayerSpec]:
+    specs = list(specs) if specs is not None else [DENSE] * num_layers
+    assert len(specs) == num_layers, f"{len(specs)} layer specs for {num_layers} layers"
+    return specs
 
 
 class KVCache:
@@ -73,16 +90,26 @@ class KVCache:
     """
 
     def __init__(self, num_layers: int, num_slots: int, ctx_per_slot: int, kv_heads: int, head_dim: int,
-                 dtype: torch.dtype = torch.float32, v_dtype: torch.dtype | None = None):
+                 dtype: torch.dtype = torch.float32, v_dtype: torch.dtype | None = None,
+                 specs: Sequence[LayerSpec] | None = None):
+        """specs: each layer's (default: all dense)."""
         shape = (num_slots, kv_heads, ctx_per_slot, head_dim)
+        self.specs = _specs(specs, num_layers)
         self.k = [_storage(shape, dtype) for _ in range(num_layers)]
         self.v = [_storage(shape, v_dtype or dtype) for _ in range(num_layers)]
+        # [slots, kv_heads, ctx // ratio, head_dim] f32 for a QSA layer; None for a dense one.
+        self.kpool = [torch.zeros(num_slots, kv_heads, ctx_per_slot // spec.ratio, head_dim) if spec.is_qsa else None
+                      for spec in self.specs]
         self.num_slots = num_slots
         self.ctx_per_slot = ctx_per_slot
 
     @property
     def nbytes(self) -> int:
         return _nbytes(self.k + self.v)
+
+    @property
+    def kpool_nbytes(self) -> int:
+        return _nbytes(self.kpool)
 
     @property
     def capacity(self) -> int:
@@ -100,10 +127,23 @@ class KVCache:
         end = start + k.shape[1]
         self.k[layer][slot, :, start:end] = k
         self.v[layer][slot, :, start:end] = v
+        if self.kpool[layer] is not None:
+            self._pool_blocks(layer, slot, start, end)
+
+    def _pool_blocks(self, layer: int, slot: int, start: int, end: int) -> None:
+        """Recompute the pooled keys of the blocks whose last position lies in start .. end-1."""
+        r = self.specs[layer].ratio
+        first, last = start // r, end // r
+        if last > first:
+            self.kpool[layer][slot, :, first:last] = block_means(self.k[layer][slot, :, first * r:last * r], r)
 
     def read(self, layer: int, slot: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Views [kv_heads, length, head_dim] of the slot's first `length` positions."""
         return self.k[layer][slot, :, :length], self.v[layer][slot, :, :length]
+
+    def read_pool(self, layer: int, slot: int, blocks: int) -> torch.Tensor:
+        """[kv_heads, blocks, head_dim] f32: the slot's first pooled keys (a QSA layer's)."""
+        return self.kpool[layer][slot, :, :blocks]
 
     def slot_major(self, layer: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The layer's K and V storage, each [slots, kv_heads, ctx, head_dim], when both hold floats
@@ -116,6 +156,9 @@ class KVCache:
         """One token per row: k, v [R, kv_heads, head_dim] at positions[r] of slots[r]."""
         self.k[layer][slots, :, positions] = k
         self.v[layer][slots, :, positions] = v
+        if self.kpool[layer] is not None:
+            for slot, position in zip(slots.tolist(), positions.tolist()):
+                self._pool_blocks(layer, slot, position, position + 1)
 
 
 class PagePool:
@@ -165,11 +208,19 @@ class PagedKVCache:
     PAGE_SIZE = 16
 
     def __init__(self, num_layers: int, num_slots: int, capacity: int, kv_heads: int, head_dim: int,
-                 dtype: torch.dtype = torch.float32, v_dtype: torch.dtype | None = None):
+                 dtype: torch.dtype = torch.float32, v_dtype: torch.dtype | None = None,
+                 specs: Sequence[LayerSpec] | None = None):
+        """specs: each layer's (default: all dense); a QSA layer's ratio divides PAGE_SIZE, so
+        blocks never straddle pages."""
         num_pages = capacity // self.PAGE_SIZE
         shape = (kv_heads, num_pages * self.PAGE_SIZE, head_dim)
+        self.specs = _specs(specs, num_layers)
+        assert all(self.PAGE_SIZE % spec.ratio == 0 for spec in self.specs if spec.is_qsa)
         self.k = [_storage(shape, dtype) for _ in range(num_layers)]
         self.v = [_storage(shape, v_dtype or dtype) for _ in range(num_layers)]
+        # [kv_heads, pool positions // ratio, head_dim] f32, indexed by pool row // ratio (QSA layers).
+        self.kpool = [torch.zeros(kv_heads, shape[1] // spec.ratio, head_dim) if spec.is_qsa else None
+                      for spec in self.specs]
         self.pool = PagePool(num_pages, self.PAGE_SIZE, num_slots)
         self.num_slots = num_slots
         self.ctx_per_slot = num_pages * self.PAGE_SIZE  # any one slot may fill the whole pool
@@ -179,6 +230,10 @@ class PagedKVCache:
     @property
     def nbytes(self) -> int:
         return _nbytes(self.k + self.v)
+
+    @property
+    def kpool_nbytes(self) -> int:
+        return _nbytes(self.kpool)
 
     @property
     def capacity(self) -> int:
@@ -213,6 +268,20 @@ class PagedKVCache:
             rows = self._index[slot][start:end]
             self.k[layer].index_copy_(1, rows, k.to(self.k[layer].dtype))
             self.v[layer].index_copy_(1, rows, v.to(self.v[layer].dtype))
+        if self.kpool[layer] is not None:
+            r = self.specs[layer].ratio
+            first, last = start // r, end // r
+            if last > first:
+                keys = self.k[layer].index_select(1, self._index[slot][first * r:last * r])
+                self.kpool[layer].index_copy_(1, self._pool_rows(slot, first, last, r), block_means(keys, r))
+
+    def _pool_rows(self, slot: int, first: int, last: int, ratio: int) -> torch.Tensor:
+        """Pool-block indices of the slot's blocks first .. last-1 (a block lies in one page)."""
+        return self._index[slot][torch.arange(first, last) * ratio] // ratio
+
+    def read_pool(self, layer: int, slot: int, blocks: int) -> torch.Tensor:
+        """[kv_heads, blocks, head_dim] f32: the slot's first pooled keys (a QSA layer's)."""
+        return self.kpool[layer].index_select(1, self._pool_rows(slot, 0, blocks, self.specs[layer].ratio))
 
     def slot_major(self, layer: int, dtype: torch.dtype) -> None:
         """Pages are not slot-major: decode rows attend one by one, through `read`."""

@@ -12,11 +12,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine import kernels
+from engine import kernels, qsa
 from engine.arena import move_to_huge_pages
 from engine.batch import ForwardBatch
 from engine.config import ModelConfig
 from engine.kv_cache import KVCache
+from engine.qsa import LayerSpec
 from engine.quant import Linear, compute_dtype
 from engine.rope import rope_table, rotate
 
@@ -62,8 +63,9 @@ def split_fused(tensors: dict[str, torch.Tensor], config: ModelConfig) -> dict[s
 
 
 class Attention(nn.Module):
-    def __init__(self, c: ModelConfig, t: dict, p: str, dtype: str):
+    def __init__(self, c: ModelConfig, t: dict, p: str, dtype: str, spec: LayerSpec):
         super().__init__()
+        self.spec = spec
         self.qkv_proj = fused_linear(t, p[:-len("self_attn.")], "self_attn.qkv_proj", c.attention_bias, dtype)
         self.o_proj = Linear(t[p + "o_proj.weight"], None, dtype)
         cdt = compute_dtype(dtype)
@@ -81,9 +83,11 @@ class Attention(nn.Module):
         qk = rotate(qk, cos, sin)  # q and k in one pass
         q, k, v = qk[:, :heads], qk[:, heads:], qkv[:, heads + self.kv_heads:]
         out = torch.empty_like(q)
-        # Rows of one token go through one kernel call when the cache is slot-major floats of q's
-        # dtype; the others (prompt chunks, verify rows, paged or q8_0 caches) attend row by row.
-        store = cache.slot_major(layer, q.dtype) if kernels.usable() and len(batch.decode_index) else None
+        # Rows of one token of a dense layer go through one kernel call when the cache is
+        # slot-major floats of q's dtype; the others (prompt chunks, verify rows, paged or q8_0
+        # caches, QSA layers) attend row by row.
+        store = cache.slot_major(layer, q.dtype) if kernels.usable() and len(batch.decode_index) \
+            and not self.spec.is_qsa else None
         if store is not None:
             i, slots, positions = batch.decode_index, batch.decode_slots, batch.decode_positions
             if len(i) == n:  # every row decodes: views, not gathers
@@ -101,6 +105,9 @@ class Attention(nn.Module):
             cache.write(layer, row.slot, row.start, k[sl].transpose(0, 1).to(cache_dtype),
                         v[sl].transpose(0, 1).to(cache_dtype))
             keys, values = cache.read(layer, row.slot, row.start + t)
+            if self.spec.is_qsa:
+                pool = cache.read_pool(layer, row.slot, (row.start + t) // self.spec.ratio)
+                keys, values, mask = qsa.sparse_keys(q[sl], keys, values, pool, batch.positions[sl], self.spec)
             out[sl] = self._attend(q[sl], keys.to(q.dtype), values.to(q.dtype), mask)
         return self.o_proj(out.view(n, heads * self.head_dim))
 
@@ -131,13 +138,16 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, c: ModelConfig, t: dict, index: int, dtype: str):
+    """Layer `index` of its model's cache; `spec` says how it attends (dense or QSA), given by the
+    caller for this layer alone, never looked up by index in a model-wide list."""
+
+    def __init__(self, c: ModelConfig, t: dict, index: int, dtype: str, spec: LayerSpec):
         super().__init__()
         p = f"model.layers.{index}."
         cdt = compute_dtype(dtype)
         self.index = index
         self.input_layernorm = RMSNorm(t[p + "input_layernorm.weight"], c.rms_norm_eps, cdt)
-        self.self_attn = Attention(c, t, p + "self_attn.", dtype)
+        self.self_attn = Attention(c, t, p + "self_attn.", dtype, spec)
         self.post_attention_layernorm = RMSNorm(t[p + "post_attention_layernorm.weight"], c.rms_norm_eps, cdt)
         self.mlp = MLP(c, t, p + "mlp.", dtype)
 
@@ -166,6 +176,7 @@ def fused_layers(layers: list[DecoderLayer], x: torch.Tensor, batch: ForwardBatc
     cos, sin: [N, head_dim]."""
     first = layers[0]
     if not kernels.usable() or len(batch.slots) != batch.num_tokens \
+            or any(layer.self_attn.spec.is_qsa for layer in layers) \
             or batch.num_tokens > first.self_attn.qkv_proj.max_kernel_rows \
             or cache.slot_major(first.index, x.dtype) is None \
             or any(layer._forward_pre_hooks or layer._forward_hooks for layer in layers):
@@ -203,12 +214,17 @@ class Transformer(nn.Module):
         # A tied embedding is read from the lm_head's (possibly quantized) rows: one copy in memory.
         self.embed = None if config.tie_word_embeddings else \
             tensors["model.embed_tokens.weight"].to(self.compute_dtype)
-        self.layers = nn.ModuleList(DecoderLayer(config, tensors, i, dtype) for i in range(config.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, tensors, i, dtype, LayerSpec.of(ratio, config.qsa_budget))
+                                    for i, ratio in enumerate(config.layer_ratios))
         self.norm = RMSNorm(tensors["model.norm.weight"], config.rms_norm_eps, self.compute_dtype)
         cos, sin = rope_table(config.rope, config.head_dim, max_positions or config.max_position_embeddings)
         self.register_buffer("cos", cos.to(self.compute_dtype))
         self.register_buffer("sin", sin.to(self.compute_dtype))
         move_to_huge_pages(self)
+
+    @property
+    def specs(self) -> list[LayerSpec]:
+        return [layer.self_attn.spec for layer in self.layers]
 
     def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
         if self.embed is not None:

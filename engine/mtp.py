@@ -8,8 +8,9 @@ with its own KV cache, applies `norm`, and scores a frequent-token subset with i
 subset ids map back to full-vocabulary ids. A file with fewer layers than the draft length reuses
 its last layer (and that layer's cache) for the deeper steps.
 
-The file: safetensors whose metadata names the format, the layer count and the fingerprint of the
-target it was trained for; tensors `layers.{k}.{enorm,hnorm,eh_proj,norm}.weight`,
+The file: safetensors whose metadata names the format, the layer count, the fingerprint of the
+target it was trained for and optionally each layer's compress ratio (`compress_ratios`, a comma
+list; absent: all dense); tensors `layers.{k}.{enorm,hnorm,eh_proj,norm}.weight`,
 `layers.{k}.block.<HF decoder-layer names>`, `head.weight` [K, H] and `head.vocab_ids` [K].
 """
 from __future__ import annotations
@@ -27,6 +28,7 @@ from engine.batch import ForwardBatch
 from engine.config import ModelConfig
 from engine.errors import ConfigError
 from engine.model import DecoderLayer, RMSNorm, run_layers
+from engine.qsa import LayerSpec
 from engine.quant import Linear, compute_dtype
 from engine.rope import rope_table
 
@@ -51,6 +53,7 @@ class MTPHeader:
     subset_size: int
     target_fingerprint: str
     target_name: str
+    compress_ratios: tuple[int, ...]  # one per layer; 0 is dense
 
 
 def read_header(path: str | Path) -> MTPHeader:
@@ -67,8 +70,17 @@ def read_header(path: str | Path) -> MTPHeader:
     if meta.get("format") != FORMAT or shape is None:
         raise ConfigError(f"spec_draft_model={str(path)!r}: not a tandem MTP draft (format {meta.get('format')!r}, "
                           f"expected {FORMAT!r})")
-    return MTPHeader(int(meta["num_layers"]), int(shape[1]), int(shape[0]), meta["target_fingerprint"],
-                     meta.get("target_name", "?"))
+    layers = int(meta["num_layers"])
+    text = meta.get("compress_ratios", "")
+    try:
+        ratios = tuple(int(r) for r in text.split(",")) if text else (0,) * layers
+    except ValueError:
+        ratios = ()
+    if len(ratios) != layers:
+        raise ConfigError(f"spec_draft_model={str(path)!r}: metadata compress_ratios={text!r}: must be one integer "
+                          f"per draft layer ({layers}), comma-separated")
+    return MTPHeader(layers, int(shape[1]), int(shape[0]), meta["target_fingerprint"], meta.get("target_name", "?"),
+                     ratios)
 
 
 def check_compatible(header: MTPHeader, path, target: ModelConfig, fingerprint: str) -> None:
@@ -81,11 +93,14 @@ def check_compatible(header: MTPHeader, path, target: ModelConfig, fingerprint: 
 
 
 def save(path: str | Path, tensors: dict[str, torch.Tensor], num_layers: int, fingerprint: str,
-         target_name: str, dtype: torch.dtype = torch.bfloat16) -> None:
+         target_name: str, dtype: torch.dtype = torch.bfloat16, compress_ratios: tuple[int, ...] = ()) -> None:
     from safetensors.torch import save_file
     out = {n: (t if n == "head.vocab_ids" else t.to(dtype)).contiguous() for n, t in tensors.items()}
-    save_file(out, str(path), metadata={"format": FORMAT, "num_layers": str(num_layers),
-                                        "target_fingerprint": fingerprint, "target_name": target_name})
+    meta = {"format": FORMAT, "num_layers": str(num_layers), "target_fingerprint": fingerprint,
+            "target_name": target_name}
+    if compress_ratios:
+        meta["compress_ratios"] = ",".join(str(r) for r in compress_ratios)
+    save_file(out, str(path), metadata=meta)
 
 
 def load_tensors(path: str | Path) -> dict[str, torch.Tensor]:
@@ -94,26 +109,28 @@ def load_tensors(path: str | Path) -> dict[str, torch.Tensor]:
 
 
 class MTPLayer(nn.Module):
-    def __init__(self, config: ModelConfig, t: dict, k: int, dtype: str):
+    def __init__(self, config: ModelConfig, t: dict, k: int, dtype: str, spec: LayerSpec):
         super().__init__()
         cdt, eps, p = compute_dtype(dtype), config.rms_norm_eps, f"layers.{k}."
         self.enorm = RMSNorm(t[p + "enorm.weight"], eps, cdt)
         self.hnorm = RMSNorm(t[p + "hnorm.weight"], eps, cdt)
         self.eh_proj = Linear(t[p + "eh_proj.weight"], None, dtype)
-        # The block reads tensors under HF decoder-layer names and its own cache layer k.
+        # The block reads tensors under HF decoder-layer names and its own cache layer k. Its spec is
+        # the draft layer's own: the target's config holds the trunk's ratios, not this layer's.
         block = {f"model.layers.{k}.{n[len(p + 'block.'):]}": v for n, v in t.items() if n.startswith(p + "block.")}
-        self.block = DecoderLayer(config, block, k, dtype)
+        self.block = DecoderLayer(config, block, k, dtype, spec)
         self.norm = RMSNorm(t[p + "norm.weight"], eps, cdt)
 
 
 class MTPDraft(nn.Module):
     """Built from f32 tensors of an MTP file; shares the target's embedding."""
 
-    def __init__(self, config: ModelConfig, tensors: dict[str, torch.Tensor], num_layers: int, dtype: str,
+    def __init__(self, config: ModelConfig, tensors: dict[str, torch.Tensor], specs: list[LayerSpec], dtype: str,
                  max_positions: int):
+        """specs: each draft layer's (their number is the file's layer count)."""
         super().__init__()
-        self.config, self.num_layers = config, num_layers
-        self.layers = nn.ModuleList(MTPLayer(config, tensors, k, dtype) for k in range(num_layers))
+        self.config, self.num_layers = config, len(specs)
+        self.layers = nn.ModuleList(MTPLayer(config, tensors, k, dtype, spec) for k, spec in enumerate(specs))
         self.head = Linear(tensors["head.weight"], None, dtype)
         self.register_buffer("vocab_ids", tensors["head.vocab_ids"].long())
         cdt = compute_dtype(dtype)
@@ -121,6 +138,10 @@ class MTPDraft(nn.Module):
         self.register_buffer("cos", cos.to(cdt))
         self.register_buffer("sin", sin.to(cdt))
         move_to_huge_pages(self)
+
+    @property
+    def specs(self) -> list[LayerSpec]:
+        return [layer.block.self_attn.spec for layer in self.layers]
 
     def layer_for_depth(self, depth: int) -> int:
         return min(depth, self.num_layers) - 1

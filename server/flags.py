@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass, fields
 from typing import Callable, Sequence
 
-from engine.options import DTYPES, KV_CACHE_TYPES, SPEC_TYPES
+from engine.options import DTYPES, KV_CACHE_TYPES, SPEC_TYPES, CompressRatios
 
 DEFAULT_BODY_LIMIT = 8 * 2**20
 
@@ -46,6 +46,8 @@ class ServerFlags:
     spec_draft_p_min: float = 0.5
     spec_ngram_size_n: int = 3
     spec_draft_device: str = "cpu"
+    compress_ratios: CompressRatios | None = None  # None: the model's own
+    qsa_budget: int | None = None  # None: the model's own
     help: bool = False
 
 
@@ -71,6 +73,13 @@ def _ranged(kind: type[int] | type[float], low: float, high: float | None = None
             raise _Broken(rule)
         return x
     return convert
+
+
+def _ratios(value: str) -> CompressRatios:
+    try:
+        return CompressRatios.parse(value)
+    except ValueError as e:
+        raise _Broken(str(e)) from None
 
 
 def _one_of(names) -> Callable[[str], str]:
@@ -121,6 +130,10 @@ _FLAGS = (
           _ranged(float, 0, 1)),
     _Flag(("--spec-ngram-size-n",), "n-gram length ngram-simple looks up", _ranged(int, 1)),
     _Flag(("--spec-draft-device",), "device the draft runs on", _one_of(("cpu",))),
+    _Flag(("--compress-ratios",), "each layer's compress ratio, 0 dense or r >= 2 QSA: a comma list (trunk, then "
+          "draft layers), everyN:R (every Nth trunk layer), all:R or none (default: the model's)", _ratios),
+    _Flag(("--qsa-budget",), "positions of pooled blocks a QSA query keeps, a multiple of the ratio "
+          "(default: the model's)", _ranged(int, 1)),
     _Flag(("-h", "--help"), "show the flags and exit", None),
 )
 

@@ -32,6 +32,7 @@ import torch
 
 from engine import mtp
 from engine.engine import Engine, EngineConfig
+from engine.qsa import DENSE
 from train.data import load_data
 from train.draft import draft_tensors, file_tensors, residual_rms, run_row, subset_ids
 from train.evaluate import evaluate
@@ -106,7 +107,7 @@ def main() -> None:
         print(f"draft: K={len(vocab_ids)}, enorm/hnorm start at {scale:.1f}", flush=True)
         start = draft_tensors(cfg, target, vocab_ids, args.eh_init, args.seed, scale)
     max_len = max(len(s.next_ids) for s in data.train + data.heldout)
-    draft = mtp.MTPDraft(cfg, start, 1, "f32", 2 * (max_len + PAD))
+    draft = mtp.MTPDraft(cfg, start, [DENSE], "f32", 2 * (max_len + PAD))
     fingerprint = mtp.target_fingerprint(cfg, target["model.embed_tokens.weight"])
     # The file's f32 embedding, frozen and shared with the target whatever format generated the data.
     embed = torch.nn.Embedding.from_pretrained(target["model.embed_tokens.weight"])
@@ -122,7 +123,7 @@ def main() -> None:
     times["evaluate"] = time.perf_counter() - t0
     mtp.save(args.out, file_tensors(draft), num_layers=1, fingerprint=fingerprint, target_name=args.target_name,
              dtype=torch.bfloat16)
-    loaded = mtp.MTPDraft(cfg, mtp.load_tensors(args.out), 1, "f32", draft.cos.shape[0])
+    loaded = mtp.MTPDraft(cfg, mtp.load_tensors(args.out), [DENSE], "f32", draft.cos.shape[0])
     s = data.heldout[0]
     with torch.no_grad():
         same = torch.equal(*(run_row(d, s.hidden, embed(s.next_ids))[1] for d in (draft, loaded)))

@@ -116,22 +116,32 @@ def test_compress_ratios_list_trunk_layers_then_mtp_layers(tiny_dirs, tmp_path):
     assert open_model(path).config.layer_ratios == (4, 0, 4)
 
 
-def test_an_engine_refuses_qsa_layers_it_would_otherwise_run_dense(tiny_dirs, tmp_path, monkeypatch):
+@pytest.mark.parametrize("ratios, budget, unified, message", [
+    ("0,4", None, False, "compress_ratios has 2 entries: needs one per trunk layer (3)"),
+    ("every2:4", None, False, "qsa_budget=0: must be a positive multiple of the compress ratio 4"),
+    ("all:4", 6, False, "qsa_budget=6: must be a positive multiple of the compress ratio 4"),
+    ("0,4,8", 64, False, "compress_ratios[2]=8: QSA layers must share one compress ratio (layer 1 has 4)"),
+    ("all:3", 63, True, "compress_ratios: ratio 3 must divide the KV page size 16 with kv_unified"),
+])
+def test_compression_flags_breaking_a_rule_are_refused_before_weights_are_read(tiny_dirs, monkeypatch, ratios,
+                                                                               budget, unified, message):
+    from engine.engine import Engine, EngineConfig
+    from engine.options import CompressRatios
+    files = type(open_model(tiny_dirs["llama"]))
+    monkeypatch.setattr(files, "load_tensors", lambda self: pytest.fail("tensor data was read"))
+    config = EngineConfig(model=str(tiny_dirs["llama"]), ctx_size=64, kv_unified=unified,
+                          compress_ratios=CompressRatios.parse(ratios), qsa_budget=budget)
+    with pytest.raises(ConfigError) as e:
+        Engine.load(config)
+    assert str(e.value) == message
+
+
+def test_a_model_naming_qsa_layers_in_its_config_loads_with_those_layers(tiny_dirs, tmp_path):
     from engine.engine import Engine, EngineConfig
     path = copy_with(tiny_dirs["llama"], tmp_path / "m", compress_ratios=[0, 4, 4], qsa_budget=64)
-    files = type(open_model(path))
-    monkeypatch.setattr(files, "load_tensors", lambda self: pytest.fail("tensor data was read"))
-    with pytest.raises(ConfigError, match=r"compress_ratios: layers \[1, 2\] are QSA layers \(ratio 4\); this "
-                                          r"engine serves dense attention only"):
-        Engine.load(EngineConfig(model=str(path), ctx_size=64))
-
-
-def test_a_draft_model_with_qsa_layers_is_refused_before_its_weights_are_read(tiny_dirs, tmp_path):
-    from engine.drafter import SpecConfig, check_draft_files
-    path = copy_with(tiny_dirs["llama"], tmp_path / "m", compress_ratios=[4, 0, 0], qsa_budget=64)
-    spec = SpecConfig(type="draft-simple", draft_model=str(path))
-    with pytest.raises(ConfigError, match=rf"spec_draft_model='{path}': compress_ratios: layers \[0\] are QSA"):
-        check_draft_files(spec, open_model(tiny_dirs["llama"]).config)
+    engine = Engine.load(EngineConfig(model=str(path), ctx_size=64))
+    assert [spec.describe() for spec in engine.model.specs] == ["dense", "qsa r=4", "qsa r=4"]
+    assert engine.cache.kpool[0] is None and engine.cache.kpool[1].shape == (1, 2, 64 // 4, 16)
 
 
 def test_missing_tensor_is_named(tiny_dirs, tmp_path):

@@ -12,6 +12,7 @@ from engine import mtp
 from engine.batch import ForwardBatch, Row
 from engine.errors import ConfigError
 from engine.kv_cache import KVCache
+from engine.qsa import DENSE
 from engine.tiny import write_tiny_model
 from engine.weights import open_model
 from train.draft import draft_tensors
@@ -55,8 +56,8 @@ def test_saved_draft_loads_back_with_the_same_logits(target, tmp_path):
     assert loaded.keys() == made.keys()
     assert torch.equal(loaded["head.vocab_ids"], made["head.vocab_ids"])
     hidden, tokens = torch.randn(12, config.hidden_size), torch.arange(12)
-    expected = subset_logits(mtp.MTPDraft(config, rounded, 1, "f32", 64), hidden, tokens)
-    assert torch.equal(subset_logits(mtp.MTPDraft(config, loaded, 1, "f32", 64), hidden, tokens), expected)
+    expected = subset_logits(mtp.MTPDraft(config, rounded, [DENSE], "f32", 64), hidden, tokens)
+    assert torch.equal(subset_logits(mtp.MTPDraft(config, loaded, [DENSE], "f32", 64), hidden, tokens), expected)
     header = mtp.read_header(tmp_path / "draft.safetensors")
     assert (header.num_layers, header.hidden_size, header.subset_size) == (1, config.hidden_size, SUBSET)
     mtp.check_compatible(header, tmp_path / "draft.safetensors", config, fingerprint)  # its own target: accepted

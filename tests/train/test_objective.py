@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from engine import mtp
+from engine.qsa import DENSE
 from engine.weights import open_model
 from train import objective
 from train.data import Sequence
@@ -19,7 +20,7 @@ def test_padding_a_training_sequence_leaves_its_loss_unchanged(tiny_model: Path,
     must keep the padded tail out of every real position's loss."""
     files = open_model(str(tiny_model))
     cfg, t = files.config, files.load_tensors()
-    draft = mtp.MTPDraft(cfg, draft_tensors(cfg, t, torch.arange(64), "identity", 0, 2.0), 1, "f32", 256)
+    draft = mtp.MTPDraft(cfg, draft_tensors(cfg, t, torch.arange(64), "identity", 0, 2.0), [DENSE], "f32", 256)
     embed = torch.nn.Embedding.from_pretrained(t["model.embed_tokens.weight"])
     g = torch.Generator().manual_seed(0)
     n = 37

@@ -1,0 +1,49 @@
+"""What an engine config asks of its files, checked from their headers before any weights are read.
+
+`read_headers` is the one validation path for a model, its draft and the compression flags: the
+server calls it before it starts listening (a bad value exits 2 with one message), and
+`Engine.load` calls it first.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from engine.config import ModelConfig, with_compression
+from engine.drafter import check_draft_files
+from engine.errors import ConfigError
+from engine.kv_cache import PagedKVCache
+from engine.qsa import LayerSpec
+from engine.weights import ModelFiles, open_model
+
+if TYPE_CHECKING:
+    from engine.engine import EngineConfig
+
+
+@dataclass(frozen=True)
+class Headers:
+    files: ModelFiles
+    model: ModelConfig  # the target's, with --compress-ratios and --qsa-budget applied
+    draft_ratios: tuple[int, ...]  # the detached MTP draft's layers' (empty without one)
+
+
+def read_headers(config: "EngineConfig") -> Headers:
+    """Raises ConfigError naming field, value and rule."""
+    files = open_model(config.model)
+    draft_ratios = check_draft_files(config.spec, files.config) if config.spec is not None else ()
+    model, draft_ratios = with_compression(files.config, config.compress_ratios, config.qsa_budget, draft_ratios)
+    page = PagedKVCache.PAGE_SIZE
+    unpaged = sorted({r for r in model.layer_ratios if r and page % r})
+    if config.kv_unified and unpaged:
+        raise ConfigError(f"compress_ratios: ratio {unpaged[0]} must divide the KV page size {page} with kv_unified")
+    return Headers(files, model, draft_ratios)
+
+
+def describe_cache(specs: list[LayerSpec], slots: str, kv_bytes: int, kpool_bytes: int) -> str:
+    """The load log's line, e.g. `30 layers (23 dense, 7 qsa r=4) x 2 slots x 4096 ctx = 360 MiB, kpool 6 MiB`."""
+    kinds: dict[str, int] = {}
+    for spec in specs:
+        kinds[spec.describe()] = kinds.get(spec.describe(), 0) + 1
+    mix = ", ".join(f"{n} {kind}" for kind, n in kinds.items())
+    pool = f", kpool {kpool_bytes / 2**20:.0f} MiB" if kpool_bytes else ""
+    return f"{len(specs)} layers ({mix}) x {slots} = {kv_bytes / 2**20:.0f} MiB{pool}"

@@ -1,0 +1,103 @@
+"""QSA: query-aware sparse attention over pooled key blocks (docs/architecture.md, "QSA").
+
+A QSA layer with compress ratio r and budget B groups positions into blocks of r (block b holds
+positions b*r .. b*r+r-1). A query at position p sees the complete blocks before its own,
+0 .. p//r - 1, and its own tail block, positions r*(p//r) .. p. While those complete blocks number at
+most B/r it attends to every visible position: exactly dense attention. Beyond that, block b scores
+s_b = sum over query heads h of relu(q_h . kpool[b, kv(h)]) / sqrt(head_dim), where kpool[b] is the
+mean of the block's post-RoPE keys; the B/r best blocks are kept (ties to the lower index), and the
+query attends the kept blocks' keys plus its tail block with an ordinary softmax.
+
+Every layer carries its own `LayerSpec`; nothing looks a ratio up by layer index.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    kind: str  # "dense" or "qsa"
+    ratio: int = 0  # positions per pooled block (QSA)
+    budget: int = 0  # positions of complete blocks a query may keep (QSA), a multiple of ratio
+
+    @classmethod
+    def of(cls, ratio: int, budget: int) -> "LayerSpec":
+        """The spec of a layer with compress ratio `ratio` (0: dense) under the model's budget."""
+        return cls("qsa", ratio, budget) if ratio else DENSE
+
+    @property
+    def is_qsa(self) -> bool:
+        return self.kind == "qsa"
+
+    @property
+    def keep(self) -> int:
+        """Complete blocks a query attends beyond its tail block."""
+        return self.budget // self.ratio
+
+    def describe(self) -> str:
+        return f"qsa r={self.ratio}" if self.is_qsa else "dense"
+
+
+DENSE = LayerSpec("dense")
+
+
+def block_means(keys: torch.Tensor, ratio: int) -> torch.Tensor:
+    """Pooled keys of whole blocks: keys [kv_heads, n*ratio, d] -> [kv_heads, n, d] in f32."""
+    kv_heads, length, d = keys.shape
+    return keys.float().view(kv_heads, length // ratio, ratio, d).mean(2)
+
+
+def select_blocks(q: torch.Tensor, kpool: torch.Tensor, positions: torch.Tensor, spec: LayerSpec) -> torch.Tensor:
+    """The blocks each query keeps, [T, keep], for queries q [T, heads, d] at `positions` [T] that
+    all see more complete blocks than `spec.keep`; kpool [kv_heads, n, d] covers at least the
+    blocks the last of them sees."""
+    t, heads, d = q.shape
+    kv_heads = kpool.shape[0]
+    visible = positions // spec.ratio  # [T] complete blocks each query sees
+    n = int(visible.max())
+    qg = q.float().view(t, kv_heads, heads // kv_heads, d)
+    scores = torch.einsum("tkgd,kbd->tkgb", qg, kpool[:, :n]).relu().sum((1, 2)) * d ** -0.5  # [T, n]
+    scores = scores.masked_fill(torch.arange(n) >= visible[:, None], -torch.inf)
+    # A stable sort keeps equal scores in index order: ties go to the lower block.
+    return scores.sort(dim=-1, descending=True, stable=True).indices[:, :spec.keep]
+
+
+def allowed_keys(positions: torch.Tensor, length: int, kept: torch.Tensor | None, spec: LayerSpec) -> torch.Tensor:
+    """[T, length] bool: which key positions each query attends. kept: [T, keep] selected blocks
+    of the queries past the budget (rows of queries within it are ignored), or None for none."""
+    keys = torch.arange(length)
+    causal = keys <= positions[:, None]
+    if kept is None:
+        return causal
+    block = keys // spec.ratio  # [length]
+    visible = positions // spec.ratio  # [T]
+    chosen = torch.zeros(len(positions), int(visible.max()) + 1, dtype=torch.bool)
+    chosen.scatter_(1, kept, True)
+    chosen[torch.arange(len(positions)), visible] = True  # the tail block
+    sparse = chosen[:, block.clamp(max=chosen.shape[1] - 1)] & causal
+    return torch.where((visible > spec.keep)[:, None], sparse, causal)
+
+
+def sparse_keys(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, kpool: torch.Tensor,
+                positions: torch.Tensor, spec: LayerSpec):
+    """What queries q [T, heads, d] at `positions` attend in a QSA layer, given a slot's keys and
+    values [kv_heads, L, d] (L: the last query's position + 1) and pooled keys kpool
+    [kv_heads, >= L//r, d]: (keys, values, mask [T, L'] bool or None), ready for the layer's
+    ordinary attention. Within the budget these are exactly the dense path's inputs."""
+    past = positions // spec.ratio > spec.keep
+    if not bool(past.any()):
+        return keys, values, None if len(positions) == 1 else allowed_keys(positions, keys.shape[1], None, spec)
+    kept = select_blocks(q[past], kpool, positions[past], spec)
+    if len(positions) == 1:
+        # One query: gather its kept blocks and tail, so the cost follows the budget, not L.
+        p = int(positions[0])
+        blocks = kept[0].sort().values
+        index = torch.cat([(blocks[:, None] * spec.ratio + torch.arange(spec.ratio)).flatten(),
+                           torch.arange(p // spec.ratio * spec.ratio, p + 1)])
+        return keys[:, index], values[:, index], None
+    full = torch.zeros(len(positions), spec.keep, dtype=torch.long)
+    full[past] = kept
+    return keys, values, allowed_keys(positions, keys.shape[1], full, spec)

@@ -1,0 +1,188 @@
+"""QSA layers (docs/architecture.md, "QSA"): exactly dense attention while a query's complete blocks
+fit the budget; beyond it, what a slow reference written from the definition gives; pooled keys
+that follow every rewrite; each layer's spec its own, so a dense layer owns no pool."""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.batch import ForwardBatch, Row
+from engine.config import with_compression
+from engine.kv_cache import KVCache, PagedKVCache
+from engine.model import Transformer
+from engine.options import CompressRatios
+from engine.qsa import LayerSpec
+from engine.rope import rotate
+from engine.tiny import write_tiny_model
+from engine.weights import open_model
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "tiny"
+
+
+def tiny(tmp_path_factory, name: str, **overrides):
+    config = {**json.loads((CONFIGS / f"{name}.json").read_text()), **overrides}
+    files = open_model(write_tiny_model(config, tmp_path_factory.mktemp(name), seed=0))
+    return files.config, files.load_tensors()
+
+
+@pytest.fixture(scope="module")
+def llama8(tmp_path_factory):
+    """Eight layers, four query heads on two kv heads."""
+    return tiny(tmp_path_factory, "llama", num_hidden_layers=8)
+
+
+def model_with(config, tensors, ratios: str, budget: int) -> Transformer:
+    qsa_config, _ = with_compression(config, CompressRatios.parse(ratios), budget)
+    return Transformer(qsa_config, tensors, "f32", max_positions=256)
+
+
+def cache_for(model: Transformer, slots: int = 1, ctx: int = 256, dtype=torch.float32, paged=False):
+    c = model.config
+    if paged:
+        return PagedKVCache(c.num_layers, slots, slots * ctx, c.num_kv_heads, c.head_dim, dtype, specs=model.specs)
+    return KVCache(c.num_layers, slots, ctx, c.num_kv_heads, c.head_dim, dtype, specs=model.specs)
+
+
+def run(model: Transformer, cache, rows: list[Row]) -> torch.Tensor:
+    return model.logits(model(ForwardBatch.build(rows), cache))
+
+
+# Prompt chunks that end mid-block, single decode rows, and a verify row of four.
+STEPS = [7, 9, 13, 1, 1, 4, 1, 5, 1]
+
+
+def steps_of(tokens: list[int]):
+    start = 0
+    for n in STEPS:
+        yield start, tokens[start:start + n]
+        start += n
+
+
+@pytest.mark.parametrize("ratio", [2, 4])
+def test_qsa_equals_dense_under_budget(llama8, ratio):
+    config, tensors = llama8
+    dense, sparse = Transformer(config, tensors, "f32", max_positions=256), model_with(config, tensors, f"all:{ratio}", 64)
+    tokens = torch.randint(0, config.vocab_size, (sum(STEPS),), generator=torch.Generator().manual_seed(0)).tolist()
+    dense_cache, sparse_cache = cache_for(dense), cache_for(sparse)
+    for start, chunk in steps_of(tokens):
+        expected = run(dense, dense_cache, [Row(0, start, chunk)])
+        torch.testing.assert_close(run(sparse, sparse_cache, [Row(0, start, chunk)]), expected, atol=1e-5, rtol=1e-5)
+
+
+def reference_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: list[int],
+                        spec: LayerSpec) -> torch.Tensor:
+    """The definition, one query and one head at a time: q [T, H, d], keys/values [kv_heads, L, d]."""
+    t, heads, d = q.shape
+    group = heads // keys.shape[0]
+    r, out = spec.ratio, torch.zeros_like(q)
+    for i, p in enumerate(positions):
+        complete = p // r
+        pool = [keys[:, b * r:(b + 1) * r].mean(1) for b in range(complete)]
+        if complete <= spec.keep:
+            seen = list(range(p + 1))
+        else:
+            scores = [sum(max(0.0, float(q[i, h] @ pool[b][h // group])) for h in range(heads)) / math.sqrt(d)
+                      for b in range(complete)]
+            kept = sorted(range(complete), key=lambda b: (-scores[b], b))[:spec.keep]
+            seen = [pos for b in sorted(kept) for pos in range(b * r, (b + 1) * r)] + list(range(complete * r, p + 1))
+        for h in range(heads):
+            k, v = keys[h // group, seen], values[h // group, seen]
+            out[i, h] = torch.softmax(k @ q[i, h] / math.sqrt(d), dim=0) @ v
+    return out
+
+
+def check_against_reference(model: Transformer, cache, rows_per_step):
+    """Each QSA layer's attention output, step by step, against reference_attention over the cache's keys."""
+    checked = []
+
+    def hook(attn, args, output):
+        x, batch, cos, sin, cache, layer = args
+        n, heads, kv_heads, d = x.shape[0], attn.heads, attn.kv_heads, attn.head_dim
+        q = rotate(attn.qkv_proj(x).view(n, heads + 2 * kv_heads, d)[:, :heads + kv_heads], cos, sin)[:, :heads]
+        expected = torch.zeros(n, heads, d)
+        offset = 0
+        for row in batch.rows:
+            t = len(row.tokens)
+            keys, values = cache.read(layer, row.slot, row.start + t)
+            positions = list(range(row.start, row.start + t))
+            expected[offset:offset + t] = reference_attention(q[offset:offset + t], keys.float(), values.float(),
+                                                              positions, attn.spec)
+            offset += t
+        torch.testing.assert_close(output, attn.o_proj(expected.view(n, heads * d)), atol=1e-5, rtol=1e-4)
+        checked.append(layer)
+
+    handles = [layer.self_attn.register_forward_hook(hook) for layer in model.layers if layer.self_attn.spec.is_qsa]
+    try:
+        for rows in rows_per_step:
+            model(ForwardBatch.build(rows), cache)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return checked
+
+
+def test_qsa_above_budget_equals_the_definition(llama8):
+    config, tensors = llama8
+    model = model_with(config, tensors, "every4:4", 8)  # two blocks kept: most queries are past the budget
+    tokens = torch.randint(0, config.vocab_size, (sum(STEPS) + 20,), generator=torch.Generator().manual_seed(1))
+    steps = [[Row(0, start, chunk)] for start, chunk in steps_of(tokens.tolist())]
+    assert check_against_reference(model, cache_for(model), steps) == [3, 7] * len(steps)
+
+
+def test_qsa_above_budget_equals_the_definition_with_head_dim_160(tmp_path_factory):
+    config, tensors = tiny(tmp_path_factory, "hd160")
+    model = model_with(config, tensors, "all:4", 8)
+    tokens = list(range(1, 60))
+    steps = [[Row(0, 0, tokens[:30])], [Row(0, 30, tokens[30:31])], [Row(0, 31, tokens[31:35])]]
+    assert len(check_against_reference(model, cache_for(model), steps)) == 2 * len(steps)
+
+
+def test_two_slots_decoding_together_each_get_their_own_selection(llama8):
+    config, tensors = llama8
+    model = model_with(config, tensors, "every4:4", 8)
+    g = torch.Generator().manual_seed(2)
+    a, b = (torch.randint(0, config.vocab_size, (40,), generator=g).tolist() for _ in range(2))
+    steps = [[Row(0, 0, a[:30]), Row(1, 0, b[:21])], [Row(0, 30, a[30:31]), Row(1, 21, b[21:22])],
+             [Row(0, 31, a[31:35]), Row(1, 22, b[22:23])]]
+    assert check_against_reference(model, cache_for(model, slots=2), steps)
+
+
+@pytest.mark.parametrize("paged, dtype", [(False, torch.float32), (True, torch.float32), (False, torch.int8)])
+def test_pooled_keys_equal_the_mean_of_each_blocks_current_keys_after_rewrites(llama8, paged, dtype):
+    """A verify row writes positions that the next step overwrites (its drafts rejected)."""
+    config, tensors = llama8
+    model = model_with(config, tensors, "every4:4", 8)
+    cache = cache_for(model, slots=2, dtype=dtype, paged=paged)
+    if paged:
+        assert cache.ensure(1, 64)
+    g = torch.Generator().manual_seed(3)
+    tokens = torch.randint(0, config.vocab_size, (40,), generator=g).tolist()
+    model(ForwardBatch.build([Row(1, 0, tokens[:30])]), cache)
+    model(ForwardBatch.build([Row(1, 30, [5, 6, 7, 8, 9])]), cache)  # a verify row: 30..34
+    model(ForwardBatch.build([Row(1, 31, [11, 12])]), cache)  # one draft kept, the rest rewritten
+    for layer in (3, 7):
+        keys, _ = cache.read(layer, 1, 33)
+        blocks = 33 // 4
+        expected = keys.float()[:, :blocks * 4].unflatten(1, (blocks, 4)).mean(2)
+        torch.testing.assert_close(cache.read_pool(layer, 1, blocks), expected, atol=1e-6, rtol=1e-6)
+
+
+def test_only_qsa_layers_own_a_pool_and_a_dense_draft_layer_beside_them_owns_none(llama8, tmp_path):
+    from engine.drafter import SpecConfig, load_drafter
+    from engine import mtp
+    from tests.engine.test_mtp import save_draft
+    config, tensors = llama8
+    model = model_with(config, tensors, "every4:4", 8)
+    assert [layer.self_attn.spec.kind for layer in model.layers] == ["dense"] * 3 + ["qsa"] + ["dense"] * 3 + ["qsa"]
+    cache = cache_for(model)
+    assert [i for i, pool in enumerate(cache.kpool) if pool is not None] == [3, 7]
+    fingerprint = mtp.target_fingerprint(config, tensors["model.embed_tokens.weight"])
+    save_draft(tmp_path / "draft.safetensors", config, tensors, fingerprint)
+    spec = SpecConfig(type="draft-mtp", draft_model=str(tmp_path / "draft.safetensors"))
+    drafter = load_drafter(spec, model, tensors, "f32", slots=2, ctx_per_slot=64)
+    assert drafter.model.layers[0].block.self_attn.spec.kind == "dense"
+    assert drafter.cache.kpool == [None]
