@@ -1,0 +1,107 @@
+"""A model with QSA layers served by the engine: speculation stays lossless past the budget (a
+rejected draft's positions are rewritten, and their pooled keys with them), and the unified pool
+and the q8_0 cache give the per-slot f32 cache's greedy tokens."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine import mtp
+from engine.batch import ForwardBatch, Row
+from engine.drafter import SpecConfig
+from engine.engine import Engine, EngineConfig
+from engine.kv_cache import KVCache
+from engine.options import CompressRatios
+from engine.sampling import SamplingParams
+from engine.tiny import write_tiny_model
+from engine.weights import open_model
+from tests.engine.runs import run_all
+from tests.engine.test_mtp import save_draft
+from tests.exact_tokens import assert_same_greedy
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "tiny"
+EVERY4 = CompressRatios.parse("every4:4")
+GREEDY = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    """An eight-layer tiny Llama and an untrained MTP draft for it (most of its drafts are rejected)."""
+    config = {**json.loads((CONFIGS / "llama.json").read_text()), "num_hidden_layers": 8}
+    path = write_tiny_model(config, tmp_path_factory.mktemp("llama8"), seed=0)
+    files = open_model(path)
+    tensors = files.load_tensors()
+    fingerprint = mtp.target_fingerprint(files.config, tensors["model.embed_tokens.weight"])
+    dense_draft, qsa_draft = path / "draft.safetensors", path / "qsa-draft.safetensors"
+    draft = save_draft(dense_draft, files.config, tensors, fingerprint)
+    mtp.save(qsa_draft, draft, num_layers=1, fingerprint=fingerprint, target_name="tiny", compress_ratios=(4,))
+    return path, dense_draft, qsa_draft
+
+
+PROMPTS = [[(7 * i + j) % 300 + 10 for j in range(30 + 9 * i)] for i in range(2)]  # 30 and 39 tokens, budget 8
+
+
+@pytest.mark.parametrize("drafter", ["dense draft", "qsa draft"])
+def test_speculative_greedy_with_qsa_equals_plain_greedy_past_the_budget(target, drafter):
+    path, dense_draft, qsa_draft = target
+    plain = Engine.load(EngineConfig(model=str(path), ctx_size=256, parallel=2, compress_ratios=EVERY4, qsa_budget=8))
+    spec = SpecConfig(type="draft-mtp", draft_model=str(dense_draft if drafter == "dense draft" else qsa_draft),
+                      n_max=3, p_min=0.0)
+    speculative = Engine.load(EngineConfig(model=str(path), ctx_size=256, parallel=2, compress_ratios=EVERY4,
+                                           qsa_budget=8, spec=spec))
+    if drafter == "qsa draft":
+        assert speculative.drafter.cache.kpool[0] is not None
+    expected = [r.output_ids for r in run_all(plain, PROMPTS, GREEDY)]
+    got = run_all(speculative, PROMPTS, GREEDY)
+    assert [r.output_ids for r in got] == expected
+    assert sum(r.draft_n - r.draft_n_accepted for r in got) > 0, "no draft was rejected: nothing was rewritten"
+
+
+@pytest.fixture(scope="module")
+def default_qsa():
+    return Engine.load(EngineConfig(model="default", ctx_size=512, parallel=1, compress_ratios=EVERY4,
+                                    qsa_budget=64))
+
+
+@pytest.mark.parametrize("variant", [dict(kv_unified=True, parallel=2, ctx_size=1024), dict(cache_type="q8_0")])
+def test_unified_and_q8_caches_with_qsa_give_the_per_slot_f32_greedy_tokens(default_qsa, variant):
+    other = Engine.load(EngineConfig(**{"model": "default", "ctx_size": 512, "parallel": 1,
+                                        "compress_ratios": EVERY4, "qsa_budget": 64, **variant}))
+    model = default_qsa.model
+    c = model.config
+
+    def reference_logits(ids: list[int]) -> torch.Tensor:
+        cache = KVCache(c.num_layers, 1, len(ids), c.num_kv_heads, c.head_dim, specs=model.specs)
+        return model.logits(model(ForwardBatch.build([Row(0, 0, ids)]), cache)[-1:])[0]
+
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    text = "The history of the lighthouse begins with fires on hills. " * 12  # past the budget of 64 positions
+    ids = default_qsa.tokenizer.encode(text)
+    assert len(ids) > 2 * 64
+    expected = run_all(default_qsa, [ids], params)[0].output_ids
+    assert_same_greedy(run_all(other, [ids], params)[0].output_ids, expected, ids, reference_logits)
+
+
+def test_pool_inputs_are_built_for_qsa_layers_only_beside_a_dense_draft(target, monkeypatch):
+    """Selection is computed from a layer's own spec: with QSA trunk layers 3 and 7 beside a dense
+    MTP draft layer, every call is a QSA layer's, and the draft's cache owns no pool."""
+    import engine.qsa
+    path, dense_draft, _ = target
+    spec = SpecConfig(type="draft-mtp", draft_model=str(dense_draft), n_max=3, p_min=0.0)
+    eng = Engine.load(EngineConfig(model=str(path), ctx_size=256, parallel=2, compress_ratios=EVERY4, qsa_budget=8,
+                                   spec=spec))
+    seen = []
+    real = engine.qsa.sparse_keys
+
+    def sparse_keys(q, keys, values, kpool, positions, layer_spec):
+        seen.append(layer_spec)
+        return real(q, keys, values, kpool, positions, layer_spec)
+    monkeypatch.setattr(engine.qsa, "sparse_keys", sparse_keys)
+    run_all(eng, PROMPTS, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    assert seen and all(s.is_qsa for s in seen)
+    assert [i for i, pool in enumerate(eng.cache.kpool) if pool is not None] == [3, 7]
+    assert eng.drafter.cache.kpool == [None]
+    assert eng.drafter.model.layers[0].block.self_attn.spec.kind == "dense"
