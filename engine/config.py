@@ -270,14 +270,14 @@ def from_gguf_metadata(meta: dict, tensor_shapes: dict[str, tuple[int, ...]]) ->
     )
 
 
-def kv_bytes_per_token(config: ModelConfig, bytes_per_value: float) -> dict[str, float]:
-    """KV bytes one position costs in one layer, per layer kind (QSA adds an f32 pooled key per r
-    positions)."""
-    kv = 2 * config.kv_size * bytes_per_value
-    out = {"dense": kv}
-    ratios = {r for r in config.layer_ratios if r}
-    for r in ratios:
-        out[f"qsa r={r}"] = kv + config.kv_size * 4 / r
+def cache_bytes_per_position(config: ModelConfig, bytes_per_value: float) -> dict[str, tuple[int, float, float]]:
+    """Per layer kind ("dense", "qsa r=4"): (layers of that kind, K+V bytes one position costs in
+    one such layer, pooled-key bytes per position: an f32 key per `ratio` positions)."""
+    out: dict[str, tuple[int, float, float]] = {}
+    for ratio in config.layer_ratios:
+        kind = f"qsa r={ratio}" if ratio else "dense"
+        layers = out.get(kind, (0, 0.0, 0.0))[0] + 1
+        out[kind] = (layers, 2 * config.kv_size * bytes_per_value, config.kv_size * 4 / ratio if ratio else 0.0)
     return out
 
 

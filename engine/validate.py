@@ -1,13 +1,15 @@
-"""`python -m engine.validate PATH`: a model's summary from its file headers, or one clear error
-(exit code 2). No tensor data is read."""
+"""`python -m engine.validate PATH [--compress-ratios R] [--qsa-budget N] [-c CTX -np N]`: a model's
+summary from its file headers, or one clear error (exit code 2). No tensor data is read. With a
+context size it adds the KV cache's and the pooled keys' bytes per layer kind."""
 from __future__ import annotations
 
 import argparse
 import sys
 
-from engine.config import describe_rope, kv_bytes_per_token
+from engine.config import cache_bytes_per_position, describe_rope, with_compression
 from engine.errors import TandemError
 from engine.kv_cache import KV_DTYPES
+from engine.options import CompressRatios
 from engine.quant import BYTES_PER_WEIGHT
 from engine.weights import open_model
 
@@ -24,9 +26,10 @@ def _size(n: float) -> str:
     return ""
 
 
-def summary(path: str) -> str:
+def summary(path: str, ratios: CompressRatios | None = None, budget: int | None = None,
+            ctx_size: int | None = None, parallel: int = 1) -> str:
     files = open_model(path)
-    c = files.config
+    c, _ = with_compression(files.config, ratios, budget)
     params = c.num_parameters()
     lines = [
         f"model:        {files.path} ({files.format})",
@@ -40,19 +43,40 @@ def summary(path: str) -> str:
         f"parameters:   {params / 1e6:.1f} M",
         "weights:      " + ", ".join(f"{d} {_size(params * b)}" for d, b in BYTES_PER_WEIGHT.items()),
     ]
-    for kind, value in kv_bytes_per_token(c, 1).items():
-        per_dtype = ", ".join(f"{d} {_size(value * KV_BYTES_PER_VALUE[d])}" for d in KV_DTYPES)
-        layers = sum(1 for r in c.layer_ratios if (r == 0) == (kind == "dense"))
+    if any(c.layer_ratios):
+        lines.append(f"compression:  ratios {','.join(map(str, c.layer_ratios))}, qsa_budget {c.qsa_budget}")
+    for kind, (layers, kv, pool) in cache_bytes_per_position(c, 1).items():
+        per_dtype = ", ".join(f"{d} {_size(kv * KV_BYTES_PER_VALUE[d] + pool)}" for d in KV_DTYPES)
         lines.append(f"KV per token per {kind} layer ({layers} layers): {per_dtype}")
+    if ctx_size:
+        ctx_size = ctx_size // parallel * parallel  # each slot's share, as the engine splits it
+        total_kv = total_pool = 0.0
+        for kind, (layers, kv, pool) in cache_bytes_per_position(c, KV_BYTES_PER_VALUE["f32"]).items():
+            kv_bytes, pool_bytes = layers * kv * ctx_size, layers * pool * ctx_size
+            total_kv, total_pool = total_kv + kv_bytes, total_pool + pool_bytes
+            pooled = f", kpool {_size(pool_bytes)}" if pool_bytes else ""
+            lines.append(f"KV cache at {ctx_size} positions, f32, {kind} ({layers} layers): {_size(kv_bytes)}{pooled}")
+        lines.append(f"KV cache at {ctx_size} positions, f32, total: {_size(total_kv)}, kpool {_size(total_pool)}")
     return "\n".join(lines)
 
 
+def _ratios(value: str) -> CompressRatios:
+    try:
+        return CompressRatios.parse(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m engine.validate", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m engine.validate", description=__doc__.split("\n\n")[0])
     p.add_argument("path", help="HF model directory, .gguf file, or 'default'")
+    p.add_argument("--compress-ratios", type=_ratios, help="as the server's flag: a list, everyN:R, all:R or none")
+    p.add_argument("--qsa-budget", type=int, help="as the server's flag")
+    p.add_argument("-c", "--ctx-size", type=int, help="total context (all slots): adds the cache's bytes")
+    p.add_argument("-np", "--parallel", type=int, default=1, help="slots (the total context is split among them)")
     args = p.parse_args(argv)
     try:
-        print(summary(args.path))
+        print(summary(args.path, args.compress_ratios, args.qsa_budget, args.ctx_size, args.parallel))
     except TandemError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

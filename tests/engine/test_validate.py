@@ -1,0 +1,23 @@
+"""`python -m engine.validate`: a model's summary from its headers, with the compression flags
+applied and the cache's bytes per layer kind; a bad value exits 2 with one message."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from engine.tiny import write_tiny_model
+from engine.validate import main
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "tiny"
+
+
+def test_validate_reports_kv_and_pooled_key_bytes_per_layer_kind(tmp_path, capsys):
+    config = {**json.loads((CONFIGS / "llama.json").read_text()), "num_hidden_layers": 8}
+    path = write_tiny_model(config, tmp_path / "m", seed=0)
+    assert main([str(path), "--compress-ratios", "every4:4", "--qsa-budget", "16", "-c", "1024", "-np", "2"]) == 0
+    out = capsys.readouterr().out
+    # kv_size 32: a dense position costs 2 x 32 x 4 bytes per layer; a QSA one adds 32 x 4 / 4 for its pool.
+    assert "KV cache at 1024 positions, f32, dense (6 layers): 1.5 MiB" in out
+    assert "KV cache at 1024 positions, f32, qsa r=4 (2 layers): 512.0 KiB, kpool 64.0 KiB" in out
+    assert main([str(path), "--compress-ratios", "every4:4"]) == 2
+    assert "qsa_budget=0: must be a positive multiple of the compress ratio 4" in capsys.readouterr().err
