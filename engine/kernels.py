@@ -97,9 +97,13 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: t
 
 
 def decoder_layers(x: torch.Tensor, weights: list[torch.Tensor | None], k_cache: list[torch.Tensor],
-                   v_cache: list[torch.Tensor], slots: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
+                   v_cache: list[torch.Tensor], kpools: list[torch.Tensor | None], ratios: list[int],
+                   budgets: list[int], slots: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
                    sin: torch.Tensor, heads: int, kv_heads: int, eps: float) -> torch.Tensor:
     """Decoder layers over x [N, hidden], each token a row at positions[n] of slot slots[n]: it
     writes its K/V there and attends causally to its slot. weights: each layer's kernel_weights,
-    concatenated; k_cache, v_cache: each layer's [S, KVH, C, D]; cos, sin [N, D]."""
-    return _ops().decoder_layers(x, weights, k_cache, v_cache, slots, positions, cos, sin, heads, kv_heads, eps)
+    concatenated; k_cache, v_cache: each layer's [S, KVH, C, D]; cos, sin [N, D]. Per layer, its
+    LayerSpec's ratio and budget (0 and 0 for a dense layer) and, for a QSA layer, its pooled keys
+    [S, KVH, C // ratio, D] f32 (None for a dense one), which the rows' completed blocks update."""
+    return _ops().decoder_layers(x, weights, k_cache, v_cache, kpools, ratios, budgets, slots, positions, cos, sin,
+                                 heads, kv_heads, eps)

@@ -172,19 +172,21 @@ def fused_layers(layers: list[DecoderLayer], x: torch.Tensor, batch: ForwardBatc
                  sin: torch.Tensor, cache: KVCache) -> torch.Tensor | None:
     """The layers over x [N, hidden] in one kernel call, when the step is a few tokens (at most the
     linear kernel's row limit) on a slot-major cache of the compute dtype; None when it is not, or
-    when a layer has hooks (`python -m train` watches one): those run module by module.
-    cos, sin: [N, head_dim]."""
+    when a layer has hooks (`python -m train` watches one): those run module by module. QSA layers
+    take the call too, with their specs and the cache's pooled keys. cos, sin: [N, head_dim]."""
     first = layers[0]
     if not kernels.usable() or len(batch.slots) != batch.num_tokens \
-            or any(layer.self_attn.spec.is_qsa for layer in layers) \
             or batch.num_tokens > first.self_attn.qkv_proj.max_kernel_rows \
             or cache.slot_major(first.index, x.dtype) is None \
             or any(layer._forward_pre_hooks or layer._forward_hooks for layer in layers):
         return None
     a = first.self_attn
     weights = [w for layer in layers for w in layer.kernel_weights]
+    specs = [layer.self_attn.spec for layer in layers]
     return kernels.decoder_layers(x, weights, [cache.k[layer.index] for layer in layers],
-                                  [cache.v[layer.index] for layer in layers], batch.slots, batch.positions, cos, sin,
+                                  [cache.v[layer.index] for layer in layers],
+                                  [cache.kpool[layer.index] for layer in layers], [spec.ratio for spec in specs],
+                                  [spec.budget for spec in specs], batch.slots, batch.positions, cos, sin,
                                   a.heads, a.kv_heads, first.input_layernorm.eps)
 
 

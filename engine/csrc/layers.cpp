@@ -10,11 +10,18 @@
 // Each token is its own row: it writes its K/V at positions[n] of slot slots[n], and once every
 // row of the layer has written, it attends to positions 0 .. positions[n] of its slot. Tokens of
 // one slot at consecutive positions (a verify block, a prompt chunk) thereby attend causally.
+//
+// A QSA layer (engine/qsa.py) also keeps its pooled keys: once every row has written, each block a
+// row completed gets the mean of its keys. A row whose complete blocks fit the budget attends like
+// a dense row (one decode_attention call for all of them, so QSA within the budget is exactly
+// dense); a row past it scores the blocks it sees, keeps the best, and attends those and its tail
+// block on its own, in ATen ops: at most a few such rows a step, each over a budget of keys.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
 #include <cmath>
 #include <cstring>
+#include <vector>
 
 #include "tandem.h"
 
@@ -58,14 +65,73 @@ void write_cache(const at::Tensor& k, const at::Tensor& v, at::Tensor& kc, at::T
     }
 }
 
+// Pooled keys [S, KVH, C / ratio, D] f32 of a QSA layer: block p / ratio of slot slots[n] for each
+// row n whose position p ends its block, from the keys now in the cache (as engine/qsa.py
+// block_means computes them).
+void pool_blocks(const at::Tensor& kc, const at::Tensor& kpool, const int64_t* slots, const int64_t* positions,
+                 int64_t N, int64_t ratio) {
+  for (int64_t n = 0; n < N; ++n) {
+    if ((positions[n] + 1) % ratio) continue;
+    const int64_t block = positions[n] / ratio;
+    kpool[slots[n]].select(1, block).copy_(kc[slots[n]].narrow(1, block * ratio, ratio).to(at::kFloat).mean(1));
+  }
+}
+
+// One query q [H, D] at position p past the budget, against its slot's keys and values [KVH, C, D]
+// and pooled keys [KVH, C / ratio, D]: the `keep` best complete blocks by engine/qsa.py
+// select_blocks' score (a stable sort: ties to the lower block), and the tail block -> [H, D].
+at::Tensor attend_selected(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
+                           const at::Tensor& pool, int64_t p, int64_t ratio, int64_t keep) {
+  const int64_t H = q.size(0), D = q.size(1), KVH = keys.size(0), visible = p / ratio;
+  const at::Tensor qg = q.to(at::kFloat).view({KVH, H / KVH, D});
+  const at::Tensor scores =
+      at::matmul(qg, pool.narrow(1, 0, visible).transpose(1, 2)).relu().sum({0, 1}) *
+      std::pow(static_cast<double>(D), -0.5);
+  const at::Tensor best = std::get<1>(scores.sort(/*stable=*/true, /*dim=*/0, /*descending=*/true)).narrow(0, 0, keep);
+  const at::Tensor kept = std::get<0>(best.sort());
+  const at::TensorOptions index = at::TensorOptions().dtype(at::kLong);
+  const at::Tensor seen = at::cat({(kept.unsqueeze(1) * ratio + at::arange(ratio, index)).flatten(),
+                                   at::arange(visible * ratio, p + 1, index)});
+  const at::Tensor k = keys.index_select(1, seen).to(at::kFloat), v = values.index_select(1, seen).to(at::kFloat);
+  const at::Tensor weights = at::softmax(at::matmul(qg, k.transpose(1, 2)) / std::sqrt(static_cast<double>(D)), -1);
+  return at::matmul(weights, v).view({H, D}).to(q.scalar_type());
+}
+
+// Every row's attention [N, H, D] to its slot, q [N, H, D]. A dense layer (ratio 0), and the rows of
+// a QSA layer whose p / ratio complete blocks number at most `keep`, attend positions 0 .. p in one
+// decode_attention call; a QSA layer's other rows attend their selected blocks.
+at::Tensor attend_rows(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& kpool,
+                       const at::Tensor& slots, const at::Tensor& positions, const at::Tensor& lengths, int64_t ratio,
+                       int64_t keep) {
+  const double scale = 1.0 / std::sqrt(static_cast<double>(kc.size(3)));
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  const int64_t* pp = positions.data_ptr<int64_t>();
+  std::vector<int64_t> within, past;
+  for (int64_t n = 0; n < q.size(0); ++n) (ratio && pp[n] / ratio > keep ? past : within).push_back(n);
+  if (past.empty()) return tandem::decode_attention(q, kc, vc, slots, lengths, scale);
+  at::Tensor out = at::empty(q.sizes(), q.options());
+  if (!within.empty()) {
+    const at::Tensor rows = at::tensor(within, at::kLong);
+    out.index_copy_(0, rows, tandem::decode_attention(q.index_select(0, rows), kc, vc, slots.index_select(0, rows),
+                                                      lengths.index_select(0, rows), scale));
+  }
+  for (const int64_t n : past)
+    out[n].copy_(attend_selected(q[n], kc[sp[n]], vc[sp[n]], kpool[sp[n]], pp[n], ratio, keep));
+  return out;
+}
+
 at::Tensor decoder_layers(const at::Tensor& hidden, const Weights& weights, const std::vector<at::Tensor>& k_cache,
-                          const std::vector<at::Tensor>& v_cache, const at::Tensor& slots,
+                          const std::vector<at::Tensor>& v_cache, const c10::List<c10::optional<at::Tensor>>& kpools,
+                          at::IntArrayRef ratios, at::IntArrayRef budgets, const at::Tensor& slots,
                           const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin, int64_t heads,
                           int64_t kv_heads, double eps) {
   const int64_t layers = static_cast<int64_t>(k_cache.size()), N = hidden.size(0);
   TORCH_CHECK(hidden.dim() == 2 && v_cache.size() == k_cache.size() &&
                   static_cast<int64_t>(weights.size()) == layers * PER_LAYER,
               "decoder_layers: hidden [N, H], one K and V cache and ", PER_LAYER, " weights per layer expected");
+  TORCH_CHECK(static_cast<int64_t>(kpools.size()) == layers && static_cast<int64_t>(ratios.size()) == layers &&
+                  static_cast<int64_t>(budgets.size()) == layers,
+              "decoder_layers: one pool, ratio and budget per layer expected");
   TORCH_CHECK(slots.numel() == N && positions.numel() == N, "decoder_layers: one slot and one position per row");
   const at::Tensor s = slots.to(at::kLong).contiguous(), p = positions.to(at::kLong).contiguous();
   const at::Tensor lengths = p + 1;
@@ -80,7 +146,21 @@ at::Tensor decoder_layers(const at::Tensor& hidden, const Weights& weights, cons
                     kc.size(1) == kv_heads,
                 "decoder_layers: layer ", l, "'s cache must be contiguous [S, ", kv_heads, ", C, D] in ",
                 x.scalar_type());
-    const int64_t D = kc.size(3);
+    const int64_t D = kc.size(3), ratio = ratios[l];
+    const c10::optional<at::Tensor> pool = kpools.get(l);
+    TORCH_CHECK(pool.has_value() == (ratio > 0), "decoder_layers: layer ", l, " has ratio ", ratio,
+                pool.has_value() ? " and a pool: a pool belongs to a QSA layer (ratio >= 2)"
+                                 : " and no pool: a QSA layer needs one");
+    const at::Tensor kpool = pool.has_value() ? *pool : at::Tensor();
+    if (ratio) {
+      TORCH_CHECK(ratio >= 2 && budgets[l] % ratio == 0, "decoder_layers: layer ", l, "'s budget ", budgets[l],
+                  " must be a multiple of its ratio ", ratio, " (>= 2)");
+      TORCH_CHECK(kpool.dim() == 4 && kpool.is_contiguous() && kpool.scalar_type() == at::kFloat &&
+                      kpool.size(0) == kc.size(0) && kpool.size(1) == kv_heads &&
+                      kpool.size(2) == kc.size(2) / ratio && kpool.size(3) == D,
+                  "decoder_layers: layer ", l, "'s pool must be contiguous [", kc.size(0), ", ", kv_heads, ", ",
+                  kc.size(2) / ratio, ", ", D, "] in float, got ", kpool.sizes(), " in ", kpool.scalar_type());
+    }
     for (int64_t n = 0; n < N; ++n)
       TORCH_CHECK(sp[n] >= 0 && sp[n] < kc.size(0) && pp[n] >= 0 && pp[n] < kc.size(2), "decoder_layers: row ", n,
                   " writes slot ", sp[n], " position ", pp[n], " outside a cache of ", kc.size(0), " slots x ",
@@ -93,8 +173,9 @@ at::Tensor decoder_layers(const at::Tensor& hidden, const Weights& weights, cons
     }
     tandem::rope_(qkv.narrow(1, 0, heads + kv_heads), cos, sin);
     write_cache(qkv.narrow(1, heads, kv_heads), qkv.narrow(1, heads + kv_heads, kv_heads), kc, vc, sp, pp);
-    const at::Tensor attn = tandem::decode_attention(qkv.narrow(1, 0, heads), kc, vc, s, lengths,
-                                                     1.0 / std::sqrt(static_cast<double>(D)));
+    if (ratio) pool_blocks(kc, kpool, sp, pp, N, ratio);
+    const at::Tensor attn =
+        attend_rows(qkv.narrow(1, 0, heads), kc, vc, kpool, s, p, lengths, ratio, ratio ? budgets[l] / ratio : 0);
     x = x + linear(attn.view({N, heads * D}), weights, b, O);
     const at::Tensor gate_up = linear(tandem::rms_norm(x, required(weights, b + POST_NORM), eps), weights, b, GATE_UP);
     const int64_t inter = gate_up.size(1) / 2;
@@ -106,8 +187,9 @@ at::Tensor decoder_layers(const at::Tensor& hidden, const Weights& weights, cons
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(tandem, m) {
-  m.def("decoder_layers(Tensor hidden, Tensor?[] weights, Tensor[] k_cache, Tensor[] v_cache, Tensor slots, "
-        "Tensor positions, Tensor cos, Tensor sin, int heads, int kv_heads, float eps) -> Tensor");
+  m.def("decoder_layers(Tensor hidden, Tensor?[] weights, Tensor[] k_cache, Tensor[] v_cache, Tensor?[] kpools, "
+        "int[] ratios, int[] budgets, Tensor slots, Tensor positions, Tensor cos, Tensor sin, int heads, int kv_heads, "
+        "float eps) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tandem, CPU, m) { m.impl("decoder_layers", decoder_layers); }

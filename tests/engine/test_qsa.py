@@ -5,15 +5,17 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 import pytest
 import torch
 
+from engine import kernels
 from engine.batch import ForwardBatch, Row
 from engine.config import with_compression
 from engine.kv_cache import KVCache, PagedKVCache
-from engine.model import Transformer
+from engine.model import Transformer, fused_layers
 from engine.options import CompressRatios
 from engine.qsa import LayerSpec
 from engine.rope import rotate
@@ -115,7 +117,11 @@ def check_against_reference(model: Transformer, cache, rows_per_step):
         torch.testing.assert_close(output, attn.o_proj(expected.view(n, heads * d)), atol=1e-5, rtol=1e-4)
         checked.append(layer)
 
-    handles = [layer.self_attn.register_forward_hook(hook) for layer in model.layers if layer.self_attn.spec.is_qsa]
+    qsa_layers = [layer for layer in model.layers if layer.self_attn.spec.is_qsa]
+    handles = [layer.self_attn.register_forward_hook(hook) for layer in qsa_layers]
+    # The whole-layer kernel never calls the attention module: a hook on the layer keeps the step
+    # module by module, where the hook above sees it (the kernel is checked against this path below).
+    handles += [layer.register_forward_pre_hook(lambda module, args: None) for layer in qsa_layers]
     try:
         for rows in rows_per_step:
             model(ForwardBatch.build(rows), cache)
@@ -186,3 +192,74 @@ def test_only_qsa_layers_own_a_pool_and_a_dense_draft_layer_beside_them_owns_non
     drafter = load_drafter(spec, model, tensors, "f32", slots=2, ctx_per_slot=64)
     assert drafter.model.layers[0].block.self_attn.spec.kind == "dense"
     assert drafter.cache.kpool == [None]
+
+
+def kernel_available() -> bool:
+    """Whether the whole-layer kernel serves this run: CI machines have a compiler, so a build that
+    fails there must fail here too, not fall back silently; only TANDEM_NO_KERNELS turns it off."""
+    assert kernels.available() or os.environ.get("TANDEM_NO_KERNELS"), "tandem kernels failed to build"
+    return kernels.available()
+
+
+def test_a_decode_step_of_a_model_with_qsa_layers_takes_the_whole_layer_kernel(llama8):
+    config, tensors = llama8
+    model = model_with(config, tensors, "every4:4", 8)
+    cache = cache_for(model, slots=2)
+    g = torch.Generator().manual_seed(4)
+    a, b = (torch.randint(0, config.vocab_size, (30,), generator=g).tolist() for _ in range(2))
+    run(model, cache, [Row(0, 0, a), Row(1, 0, b[:21])])
+    batch = ForwardBatch.build([Row(0, 30, [5]), Row(1, 21, [6])])  # both past the budget
+    with torch.inference_mode():
+        x = model.embed_tokens(batch.token_ids)
+        fused = fused_layers(list(model.layers), x, batch, model.cos[batch.positions], model.sin[batch.positions],
+                             cache)
+    assert (fused is not None) == kernel_available()
+
+
+def with_calls_counted(monkeypatch) -> list[int]:
+    """The rows of each call of the whole-layer kernel from now on."""
+    calls, fused = [], kernels.decoder_layers
+    monkeypatch.setattr(kernels, "decoder_layers", lambda x, *args: calls.append(len(x)) or fused(x, *args))
+    return calls
+
+
+@pytest.mark.parametrize("ratio", [2, 4])
+def test_whole_layer_kernel_equals_the_module_path_with_qsa_layers(llama8, monkeypatch, ratio):
+    """Two slots: slot 0 past the budget from its first chunk, slot 1 crossing it while decoding;
+    prompt chunks, decodes, verify rows whose later tokens see blocks their earlier ones complete,
+    and drafts rejected and rewritten."""
+    config, tensors = llama8
+    fused, layered = (model_with(config, tensors, f"every2:{ratio}", 8) for _ in range(2))
+    # A hook keeps the reference module by module (fused_layers leaves hooked layers alone).
+    layered.layers[0].register_forward_pre_hook(lambda module, args: None)
+    fused_cache, layered_cache = cache_for(fused, slots=2), cache_for(layered, slots=2)
+    g = torch.Generator().manual_seed(5)
+    a, b = (torch.randint(0, config.vocab_size, (80,), generator=g).tolist() for _ in range(2))
+    steps = [[Row(0, 0, a[:19]), Row(1, 0, b[:5])], [Row(0, 19, a[19:30])]]
+    steps += [[Row(0, 30 + i, [a[30 + i]]), Row(1, 5 + i, [b[5 + i]])] for i in range(22)]
+    steps += [[Row(0, 52, a[52:57]), Row(1, 27, [b[27]])],  # verify five drafts beside a decode
+              [Row(0, 54, a[60:63]), Row(1, 28, b[28:32])],  # two kept, the rest rewritten; slot 1 verifies
+              [Row(0, 57, [a[63]]), Row(1, 30, [b[32]])], [Row(1, 31, [b[33]])]]
+    calls = with_calls_counted(monkeypatch)
+    for rows in steps:
+        torch.testing.assert_close(run(fused, fused_cache, rows), run(layered, layered_cache, rows),
+                                   atol=1e-5, rtol=1e-5)
+    assert calls == ([sum(len(row.tokens) for row in rows) for rows in steps] if kernel_available() else [])
+    qsa_layers = [layer.index for layer in fused.layers if layer.self_attn.spec.is_qsa]
+    assert qsa_layers == [1, 3, 5, 7]
+    for layer in qsa_layers:
+        torch.testing.assert_close(fused_cache.kpool[layer], layered_cache.kpool[layer], atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(fused_cache.k[layer], layered_cache.k[layer], atol=1e-6, rtol=1e-6)
+
+
+def test_decode_steps_of_a_qsa_model_run_in_one_kernel_call_each(llama8, monkeypatch):
+    """Module by module a QSA layer costs ~15 Python dispatches a step; every decode step must take
+    the kernel instead (the speed itself is for bench/, not a test)."""
+    config, tensors = llama8
+    model = model_with(config, tensors, "all:4", 8)
+    cache = cache_for(model, slots=2)
+    run(model, cache, [Row(0, 0, list(range(3, 40))), Row(1, 0, list(range(50, 60)))])
+    calls = with_calls_counted(monkeypatch)
+    for i in range(8):
+        run(model, cache, [Row(0, 37 + i, [7 + i]), Row(1, 10 + i, [9 + i])])
+    assert calls == ([2] * 8 if kernel_available() else [])
