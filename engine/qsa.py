@@ -1,4 +1,4 @@
-"""QSA: query-aware sparse attention over pooled key blocks (docs/architecture.md, "QSA").
+"""QSA: query-aware sparse attention over pooled key blocks (docs/architecture.md, "The hybrid cache and QSA").
 
 A QSA layer with compress ratio r and budget B groups positions into blocks of r (block b holds
 positions b*r .. b*r+r-1). A query at position p sees the complete blocks before its own,
