@@ -7,7 +7,7 @@ from enum import Enum
 
 from proxy.config import Profile
 from proxy.jobs import Job, JobType
-from proxy.router import Pool, ReplicaState
+from proxy.router import Pool
 
 
 class ModelStatus(str, Enum):
@@ -32,6 +32,7 @@ class ModelState:
     idle_stamp: int = 0  # bumped on every use; an idle check armed with an older stamp is stale
     last_error: str | None = None
     removed: bool = False  # its profile left the config on reload; dropped once unloaded
+    cancels: list = field(default_factory=list)  # futures of DELETE /jobs calls awaiting the running load's end
 
     @property
     def name(self) -> str:
@@ -43,7 +44,7 @@ class ModelState:
 
     def missing_replicas(self) -> list[int]:
         """Profile replica indices with no ready (or draining) process."""
-        live = {r.index for r in self.pool.replicas if r.state is not ReplicaState.failed}
+        live = {r.index for r in self.pool.replicas if r.serving}
         return [i for i in range(len(self.profile.replicas)) if i not in live]
 
     @property
