@@ -1,6 +1,7 @@
 """What the controller knows about one configured model: status, replicas (in its Pool), jobs."""
 from __future__ import annotations
 
+import asyncio
 from collections import deque
 from dataclasses import dataclass, field
 from enum import Enum
@@ -32,7 +33,7 @@ class ModelState:
     idle_stamp: int = 0  # bumped on every use; an idle check armed with an older stamp is stale
     last_error: str | None = None
     removed: bool = False  # its profile left the config on reload; dropped once unloaded
-    cancels: list = field(default_factory=list)  # futures of DELETE /jobs calls awaiting the running load's end
+    cancels: list[asyncio.Future | None] = field(default_factory=list)  # DELETE /jobs replies awaiting the load's end
 
     @property
     def name(self) -> str:
