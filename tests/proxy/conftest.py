@@ -10,8 +10,7 @@ from pathlib import Path
 
 import pytest
 
-# alive, pids_with and wait_until are here for the proxy tests, which import them from this module.
-from bench.processes import ProxyProcess, alive, pids_with, wait_until  # noqa: F401
+from bench.processes import ProxyProcess
 
 @pytest.fixture(scope="module")
 def make_proxy(tmp_path_factory):

@@ -8,7 +8,7 @@ import httpx
 import pytest
 import yaml
 
-from tests.proxy.conftest import pids_with, wait_until
+from bench.processes import pids_with, wait_until
 
 KEY = "sekrit"
 

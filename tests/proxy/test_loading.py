@@ -10,7 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.proxy.conftest import alive, pids_with, wait_until
+from bench.processes import alive, pids_with, wait_until
 
 FAKE_SERVER = str(Path(__file__).with_name("fake_server.py"))
 
