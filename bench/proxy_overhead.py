@@ -29,7 +29,7 @@ from pathlib import Path
 
 import httpx
 
-from tests.proxy.conftest import TINY_CONFIG, ProxyProcess
+from bench.processes import ROOT, ProxyProcess
 
 SEED = 1234
 
@@ -75,7 +75,7 @@ def main() -> int:
     root = Path(tempfile.mkdtemp(prefix="tandem-bench-"))
     if a.model == "tiny":
         from engine.tiny import write_tiny_model
-        a.model = str(write_tiny_model(json.loads(TINY_CONFIG.read_text()), root / "tiny"))
+        a.model = str(write_tiny_model(json.loads((ROOT / "configs" / "tiny" / "llama.json").read_text()), root / "tiny"))
     proxy = ProxyProcess(root, {"bench": {"args": ["-m", a.model, "-c", "4096", "-np", "1", "--dtype", a.dtype,
                                                    "-t", str(a.threads)],
                                           "health_timeout": 300}})

@@ -17,7 +17,7 @@ import tempfile
 
 import httpx
 
-from tests.server.helpers import ServerProcess, sse_events
+from bench.processes import ServerProcess, sse_events
 
 PROMPT = "Once upon a time"
 

@@ -159,6 +159,8 @@ def create_app(config: ProxyConfig, overrides: dict | None = None) -> Front:
 
     @app.delete("/jobs/{job_id}")
     async def cancel_job(job_id: str, request: Request):
+        """Cancels a queued job, or a running load (answered once the servers it started are stopped).
+        A running unload cannot be undone (409): its servers are already draining or stopping."""
         return await proxy_of(request).controller.cancel(job_id)
 
     @app.get("/jobs/{job_id}/log")

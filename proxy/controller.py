@@ -16,6 +16,7 @@ from proxy.config import ProxyConfig
 from proxy.job_runner import JobRunner
 from proxy.jobs import Job, JobStatus, JobStore, JobType, Trigger
 from proxy.model_state import ModelState, ModelStatus
+from proxy.process import exit_reason
 from proxy.router import Lease, Pool, Replica, ReplicaState, Waiter
 from server.protocol import APIError
 
@@ -93,12 +94,29 @@ class Controller:
         job = self.jobs.get(e.job_id) or self.store.get(e.job_id)
         if job is None:
             _answer(e.reply, error=APIError(404, f"job {e.job_id!r} not found", "not_found_error"))
-        elif job.status is not JobStatus.queued:
-            _answer(e.reply, error=APIError(409, f"job {job.id} is {job.status.value}; only a queued job can be "
-                                                 "cancelled", "invalid_request_error"))
-        else:
+        elif job.status is JobStatus.queued:
             self.runner.cancel(job)
             _answer(e.reply, job.model_copy(deep=True))
+        elif job.status is JobStatus.running and job.type is JobType.load:
+            self._cancel_load(self.models[job.model], e.reply)
+        elif job.status is JobStatus.running:
+            _answer(e.reply, error=APIError(409, f"job {job.id} is a running unload, which cannot be undone: its "
+                                                 "servers are already draining or stopping; submit a load job "
+                                                 "(it runs once the unload is done)", "invalid_request_error"))
+        else:
+            _answer(e.reply, error=APIError(409, f"job {job.id} is {job.status.value}; only a queued job or a "
+                                                 "running load can be cancelled", "invalid_request_error"))
+
+    def _cancel_load(self, m: ModelState, reply: asyncio.Future | None) -> None:
+        """A load still waiting for its exclusive group has started nothing and ends now. One that
+        started servers ends, and is answered, once the supervisor has stopped them (LoadCancelled)."""
+        m.cancels.append(reply)
+        if m.waiting_for_group:
+            self._end_cancelled_load(m, "cancelled while it waited for its exclusive group")
+        elif len(m.cancels) == 1:
+            self.effects.cancel_load(m.current.id)
+            m.current.message = "cancelling: stopping the server(s) it started"
+            self.store.save(m.current)
 
     def _on_Acquire(self, e: ev.Acquire) -> None:
         w = e.waiter
@@ -112,11 +130,11 @@ class Controller:
         if m.status is ModelStatus.ready or m.pending(JobType.load):
             m.pool.admit(w)
             m.pool.dispatch()
-        elif m.status is ModelStatus.unloading:
-            w.future.set_exception(APIError(503, f"model {m.name!r} is being unloaded"))
-        elif m.profile.autoload:
+        elif m.profile.autoload:  # an unloading model loads again once its unload is done, as llama-swap does
             self.runner.submit(m, JobType.load, Trigger.autoload)
             m.pool.admit(w)
+        elif m.status is ModelStatus.unloading:
+            w.future.set_exception(APIError(503, f"model {m.name!r} is being unloaded"))
         else:
             w.future.set_exception(self._not_loaded(m))
 
@@ -131,16 +149,24 @@ class Controller:
         self.runner.maybe_stop(m)
         self._arm_idle(m)
 
+    def _on_ReplicaStarting(self, e: ev.ReplicaStarting) -> None:
+        m = self.models.get(e.model)
+        if m is None or m.current is None or m.current.id != e.job_id:
+            return
+        m.pool.replicas.append(Replica(m.name, e.index, e.port, e.pid, slots_total=0, state=ReplicaState.starting))
+        m.pool.replicas.sort(key=lambda r: r.index)
+
     def _on_LoadDone(self, e: ev.LoadDone) -> None:
         m = self.models[e.model]
         job = m.current
         assert job is not None and job.id == e.job_id, (job, e.job_id)
+        m.pool.forget_starting()
         if e.error:
             m.status = ModelStatus.ready if m.pool.ready else ModelStatus.unloaded
             m.last_error = e.error
             self.runner.finish(m, JobStatus.failed, "load failed", error=e.error, log_tail=e.log_tail)
-            if m.status is ModelStatus.unloaded and not m.pending(JobType.load):
-                m.pool.fail_waiters(APIError(503, f"model {m.name!r} failed to load (job {job.id}): {e.error}"))
+            self._answer_cancels(m, job)
+            self._refuse_waiters_unless_loading(m, f"model {m.name!r} failed to load (job {job.id}): {e.error}")
             return
         for s in e.replicas:
             m.pool.replicas.append(Replica(m.name, s.index, s.port, s.pid, s.slots_total, s.devices, s.handle))
@@ -152,7 +178,39 @@ class Controller:
         ports = ", ".join(str(s.port) for s in e.replicas)
         self.runner.finish(m, JobStatus.succeeded, f"loaded {len(e.replicas)} replica(s) in "
                            f"{self.clock() - job.started_at:.1f} s (port {ports})", log_tail=e.log_tail)
+        self._answer_cancels(m, job)
         self._arm_idle(m)
+
+    def _on_LoadCancelled(self, e: ev.LoadCancelled) -> None:
+        m = self.models[e.model]
+        job = m.current
+        assert job is not None and job.id == e.job_id, (job, e.job_id)
+        m.pool.forget_starting()
+        m.status = ModelStatus.ready if m.pool.ready else ModelStatus.unloaded
+        stopped = (f"stopped the server(s) it started (pid {', '.join(map(str, e.stopped))})" if e.stopped
+                   else "no server had started")
+        self._end_cancelled_load(m, f"cancelled while loading; {stopped}", e.log_tail)
+
+    def _end_cancelled_load(self, m: ModelState, message: str, log_tail: list[str] | None = None) -> None:
+        job = m.current
+        self.runner.finish(m, JobStatus.cancelled, message, log_tail=log_tail)
+        self._answer_cancels(m, job)
+        self._refuse_waiters_unless_loading(m, f"model {m.name!r} is not loaded: its load job {job.id} was cancelled")
+
+    def _answer_cancels(self, m: ModelState, job: Job) -> None:
+        """Answers the DELETE /jobs calls waiting for m's load, which has just ended as `job` says."""
+        replies, m.cancels = m.cancels, []
+        for reply in replies:
+            if job.status is JobStatus.cancelled:
+                _answer(reply, job.model_copy(deep=True))
+            else:
+                _answer(reply, error=APIError(409, f"job {job.id} {job.status.value} before it could be cancelled",
+                                              "invalid_request_error"))
+
+    def _refuse_waiters_unless_loading(self, m: ModelState, message: str) -> None:
+        """After a load ended without making m ready: its waiters get 503, unless another load is coming."""
+        if not m.pool.ready and not m.pending(JobType.load):
+            m.pool.fail_waiters(APIError(503, message))
 
     def _on_StopDone(self, e: ev.StopDone) -> None:
         m = self.models[e.model]
@@ -173,8 +231,7 @@ class Controller:
         m = self.models.get(e.model)
         r = m.pool.find(e.pid) if m else None
         if r is not None and r.state is ReplicaState.ready:
-            detail = f": {e.last_line}" if e.last_line else ""
-            self._replica_failed(m, r, f"replica {r.index} (pid {e.pid}) exited with code {e.returncode}{detail}")
+            self._replica_failed(m, r, f"replica {r.index} (pid {e.pid}) {exit_reason(e.returncode, e.last_line)}")
 
     def _on_DrainTimeout(self, e: ev.DrainTimeout) -> None:
         job = self.jobs.get(e.job_id)
@@ -256,7 +313,10 @@ class Controller:
         stops every server)."""
         self.runner.interrupt(reason)
         for m in self.models.values():
-            m.pool.fail_waiters(APIError(503, f"the proxy is shutting down ({reason})"))
+            error = APIError(503, f"the proxy is shutting down ({reason})")
+            m.pool.fail_waiters(error)
+            for reply in m.cancels:
+                _answer(reply, error=error)
 
 
 def _answer(reply: asyncio.Future | None, result: object = None, error: Exception | None = None) -> None:

@@ -51,11 +51,30 @@ class StartedReplica:
 
 
 @dataclass
+class ReplicaStarting:
+    """A load's server process runs (its pid is known); its model is still loading."""
+    job_id: str
+    model: str
+    index: int
+    port: int
+    pid: int
+
+
+@dataclass
 class LoadDone:
     job_id: str
     model: str
     replicas: list[StartedReplica] = field(default_factory=list)
     error: str | None = None  # a sentence; nothing of the failed load runs any more
+    log_tail: list[str] = field(default_factory=list)
+
+
+@dataclass
+class LoadCancelled:
+    """A load stopped at the controller's request (cancel_load); nothing it started runs any more."""
+    job_id: str
+    model: str
+    stopped: list[int] = field(default_factory=list)  # the pids of the servers it had started
     log_tail: list[str] = field(default_factory=list)
 
 
@@ -92,8 +111,12 @@ class Reload:
 
 class Effects(Protocol):
     def start_load(self, job: Job, profile: Profile, indices: list[int]) -> None:
-        """Start replicas `indices`, wait until healthy and checked; post LoadDone (and later
-        ReplicaExited for each replica that exits)."""
+        """Start replicas `indices` (posting ReplicaStarting for each process), wait until healthy
+        and checked; post LoadDone (and later ReplicaExited for each replica that exits)."""
+
+    def cancel_load(self, job_id: str) -> None:
+        """Stop the load `job_id` runs and every server it started; post LoadCancelled. A load
+        that has already ended is left alone (its LoadDone is on its way)."""
 
     def stop_replicas(self, model: str, job_id: str | None, replicas: list[Replica], grace: float) -> None:
         """SIGTERM, then SIGKILL after `grace` seconds; post StopDone."""

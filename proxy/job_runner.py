@@ -51,7 +51,11 @@ class JobRunner:
             self._begin_load(m)
 
     def advance_all(self) -> None:
-        for m in list(self.models.values()):
+        """Loads that already wait for their exclusive group go first, oldest first: a job that was
+        queued behind a member's unload must not take the group from the load that unload makes way for."""
+        def order(m: ModelState) -> tuple[bool, float]:
+            return (not m.waiting_for_group, m.current.started_at if m.waiting_for_group else 0.0)
+        for m in sorted(self.models.values(), key=order):
             self.advance(m)
 
     def _begin_load(self, m: ModelState) -> None:
@@ -95,7 +99,9 @@ class JobRunner:
         for r in m.pool.replicas:
             if r.state is ReplicaState.ready:
                 r.state = ReplicaState.draining
-        if not m.pending(JobType.load):
+        if m.profile.autoload and m.pool.queue_depth and not m.removed and not m.pending(JobType.load):
+            self.submit(m, JobType.load, Trigger.autoload, "requests waited for it while it unloaded")
+        elif not m.pending(JobType.load):
             m.pool.fail_waiters(APIError(503, f"model {m.name!r} is being unloaded"))
         self.effects.call_later(m.profile.drain_timeout, ev.DrainTimeout(m.current.id))
         self.maybe_stop(m)

@@ -1,13 +1,14 @@
 """What the controller knows about one configured model: status, replicas (in its Pool), jobs."""
 from __future__ import annotations
 
+import asyncio
 from collections import deque
 from dataclasses import dataclass, field
 from enum import Enum
 
 from proxy.config import Profile
 from proxy.jobs import Job, JobType
-from proxy.router import Pool, ReplicaState
+from proxy.router import Pool
 
 
 class ModelStatus(str, Enum):
@@ -32,6 +33,7 @@ class ModelState:
     idle_stamp: int = 0  # bumped on every use; an idle check armed with an older stamp is stale
     last_error: str | None = None
     removed: bool = False  # its profile left the config on reload; dropped once unloaded
+    cancels: list[asyncio.Future | None] = field(default_factory=list)  # DELETE /jobs replies awaiting the load's end
 
     @property
     def name(self) -> str:
@@ -43,7 +45,7 @@ class ModelState:
 
     def missing_replicas(self) -> list[int]:
         """Profile replica indices with no ready (or draining) process."""
-        live = {r.index for r in self.pool.replicas if r.state is not ReplicaState.failed}
+        live = {r.index for r in self.pool.replicas if r.serving}
         return [i for i in range(len(self.profile.replicas)) if i not in live]
 
     @property

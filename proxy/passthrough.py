@@ -9,7 +9,6 @@ import json
 from urllib.parse import parse_qsl, urlencode
 
 from proxy.forward import ClientGone, DisconnectWatch, read_body, relay, send_error
-from proxy.router import ReplicaState
 from server.protocol import APIError
 
 BODY_LIMIT = 32 * 2**20
@@ -96,7 +95,7 @@ class Upstream:
             e = p.controller.unknown_model(model)
             await send_error(send, e.status, e.message, e.type)
             return
-        live = [r for r in m.pool.replicas if r.state is not ReplicaState.failed]
+        live = [r for r in m.pool.replicas if r.serving]
         if wanted is not None:
             live = [r for r in live if str(r.index) == wanted]
         if not live:

@@ -16,6 +16,19 @@ ERROR_LINE = re.compile(r"error|exception|traceback|fatal|killed", re.IGNORECASE
 LOG_PREFIX = re.compile(r"^\d{4}-\d\d-\d\d[ T][\d:.,]+\s+")  # a timestamp says nothing in a job's error
 
 
+def exit_reason(code: int, last_line: str, when: str = "") -> str:
+    """How a server ended, for an error message: 'exited with code 1<when>: <last_line>', or 'was
+    killed by signal 9 (SIGKILL)<when>'. A signal is the whole reason: the line a killed server
+    happened to print last says nothing of why, and the job's log_tail keeps it anyway."""
+    if code < 0:
+        try:
+            name = f" ({signal.Signals(-code).name})"
+        except ValueError:  # a real-time signal has no name
+            name = ""
+        return f"was killed by signal {-code}{name}{when}"
+    return f"exited with code {code}{when}" + (f": {last_line}" if last_line else "")
+
+
 class ServerProcess:
     def __init__(self, proc: asyncio.subprocess.Process, argv: list[str], port: int, log_path: Path,
                  on_line: Callable[[str], None], tail_lines: int):

@@ -17,6 +17,7 @@ from server.protocol import APIError
 
 
 class ReplicaState(str, Enum):
+    starting = "starting"  # its process runs and its model loads; a load job is bringing it up
     ready = "ready"  # takes new requests
     draining = "draining"  # its model is unloading: in-flight requests finish, no new ones
     failed = "failed"  # exited or broke mid-stream; being stopped and removed
@@ -37,6 +38,11 @@ class Replica:
     @property
     def busy(self) -> int:
         return len(self.leases)
+
+    @property
+    def serving(self) -> bool:
+        """Its server is up: it takes requests, or finishes the ones it has."""
+        return self.state in (ReplicaState.ready, ReplicaState.draining)
 
     @property
     def has_free_slot(self) -> bool:
@@ -144,6 +150,10 @@ class Pool:
             waiter = self.waiters.popleft()
             if not waiter.gone:
                 waiter.future.set_exception(error)
+
+    def forget_starting(self) -> None:
+        """The load that was starting replicas has ended: its LoadDone lists the ones that came up."""
+        self.replicas = [r for r in self.replicas if r.state is not ReplicaState.starting]
 
     def remove(self, replica: Replica) -> None:
         if replica in self.replicas:

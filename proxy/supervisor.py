@@ -18,7 +18,7 @@ from proxy.children import ChildRegistry
 from proxy.config import Profile, flag_value
 from proxy.jobs import Job
 from proxy.logbus import LogBus
-from proxy.process import ServerProcess
+from proxy.process import ServerProcess, exit_reason
 from proxy.router import Lease, Replica
 
 log = logging.getLogger("tandem.proxy")
@@ -62,6 +62,7 @@ class Supervisor:
         self.post, self.children, self.bus, self.log_dir, self.tail_lines = post, children, bus, log_dir, tail_lines
         self.http = httpx.AsyncClient(timeout=httpx.Timeout(5.0))
         self.processes: dict[int, ServerProcess] = {}  # every live server, by pid
+        self.loads: dict[str, asyncio.Task] = {}  # the attempt of each running load, by job id
         self.tasks: set[asyncio.Task] = set()
 
     def _spawn_task(self, coro) -> None:
@@ -73,6 +74,11 @@ class Supervisor:
 
     def start_load(self, job: Job, profile: Profile, indices: list[int]) -> None:
         self._spawn_task(self._load(job, profile, indices))
+
+    def cancel_load(self, job_id: str) -> None:
+        attempt = self.loads.get(job_id)
+        if attempt is not None:
+            attempt.cancel()
 
     def stop_replicas(self, model: str, job_id: str | None, replicas: list[Replica], grace: float) -> None:
         self._spawn_task(self._stop(model, job_id, replicas, grace))
@@ -87,24 +93,39 @@ class Supervisor:
     # -- work -----------------------------------------------------------------------------------------
 
     async def _load(self, job: Job, profile: Profile, indices: list[int]) -> None:
-        started: list[tuple[int, ServerProcess]] = []
+        started: list[ServerProcess] = []
+        attempt = asyncio.ensure_future(self._start(job, profile, indices, started))
+        self.loads[job.id] = attempt  # cancel_load cancels the attempt, never this task: the cleanup must run
         try:
-            for i in indices:
-                started.append((i, await self._spawn(job, profile, i)))
-            checks = [asyncio.ensure_future(self._bring_up(profile, i, p)) for i, p in started]
-            try:
-                replicas = await asyncio.gather(*checks)
-            except LoadError:
-                for check in checks:  # one replica failing fails the load: stop waiting for the others
-                    check.cancel()
-                raise
+            replicas = await attempt
         except LoadError as e:
-            await asyncio.gather(*(p.stop(profile.stop_grace) for _, p in started))
-            tail = [line for _, p in started for line in p.tail][-self.tail_lines:]
-            self.post(ev.LoadDone(job.id, profile.name, error=str(e), log_tail=tail))
-            return
-        tail = [line for _, p in started for line in p.tail][-self.tail_lines:]
-        self.post(ev.LoadDone(job.id, profile.name, replicas=list(replicas), log_tail=tail))
+            await asyncio.gather(*(p.stop(profile.stop_grace) for p in started))
+            self.post(ev.LoadDone(job.id, profile.name, error=str(e), log_tail=self._tail(started)))
+        except asyncio.CancelledError:
+            await asyncio.gather(*(p.stop(profile.stop_grace) for p in started))
+            self.post(ev.LoadCancelled(job.id, profile.name, [p.pid for p in started], self._tail(started)))
+        else:
+            self.post(ev.LoadDone(job.id, profile.name, replicas=list(replicas), log_tail=self._tail(started)))
+        finally:
+            self.loads.pop(job.id, None)
+
+    def _tail(self, started: list[ServerProcess]) -> list[str]:
+        return [line for p in started for line in p.tail][-self.tail_lines:]
+
+    async def _start(self, job: Job, profile: Profile, indices: list[int],
+                     started: list[ServerProcess]) -> list[ev.StartedReplica]:
+        """Starts the servers (each into `started` as soon as it runs) and waits until all are up."""
+        for i in indices:
+            proc = await self._spawn(job, profile, i)
+            started.append(proc)
+            self.post(ev.ReplicaStarting(job.id, profile.name, i, proc.port, proc.pid))
+        checks = [asyncio.ensure_future(self._bring_up(profile, i, p)) for i, p in zip(indices, started)]
+        try:
+            return await asyncio.gather(*checks)
+        except LoadError:
+            for check in checks:  # one replica failing fails the load: stop waiting for the others
+                check.cancel()
+            raise
 
     async def _spawn(self, job: Job, profile: Profile, index: int) -> ServerProcess:
         spec = profile.replicas[index]
@@ -132,7 +153,7 @@ class Supervisor:
         code = await proc.wait()
         self.processes.pop(proc.pid, None)
         self.children.remove(proc.pid)
-        log.info("model %s: server pid %d exited with code %d", model, proc.pid, code, extra={"model": model})
+        log.info("model %s: server pid %d %s", model, proc.pid, exit_reason(code, ""), extra={"model": model})
         self.post(ev.ReplicaExited(model, proc.pid, code, proc.last_error_line()))
 
     async def _bring_up(self, profile: Profile, index: int, proc: ServerProcess) -> ev.StartedReplica:
@@ -143,8 +164,8 @@ class Supervisor:
         while True:
             if proc.returncode is not None:
                 await proc.wait()  # the last lines, for the error
-                raise LoadError(f"replica {index} exited with code {proc.returncode} before it was healthy"
-                                + (f": {proc.last_error_line()}" if proc.last_error_line() else ""))
+                raise LoadError(f"replica {index} "
+                                + exit_reason(proc.returncode, proc.last_error_line(), " before it was healthy"))
             try:
                 if (await self.http.get(base + "/health", timeout=2.0)).status_code == 200:
                     break

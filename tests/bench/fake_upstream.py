@@ -15,7 +15,7 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from server.protocol import CompletionRequest, TokenizeRequest, error_body
-from tests.ports import free_port
+from bench.processes import free_port
 
 MODEL = "fake"
 

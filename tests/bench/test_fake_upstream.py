@@ -10,7 +10,7 @@ import pytest
 from bench.__main__ import main
 from bench.records import read_jsonl
 from tests.bench.fake_upstream import MODEL, Mode
-from tests.ports import free_port
+from bench.processes import free_port
 
 
 def bench(fake, tmp_path, capsys, *extra: str) -> tuple[int, dict | None, list, str]:

@@ -16,11 +16,15 @@ class FakeEffects:
     def __init__(self):
         self.loads: list[tuple[Job, str, list[int]]] = []
         self.stops: list[tuple[str, str | None, list]] = []
+        self.load_cancels: list[str] = []
         self.cancelled: list = []
         self.timers: list[tuple[float, object]] = []
 
     def start_load(self, job, profile, indices):
         self.loads.append((job, profile.name, indices))
+
+    def cancel_load(self, job_id):
+        self.load_cancels.append(job_id)
 
     def stop_replicas(self, model, job_id, replicas, grace):
         self.stops.append((model, job_id, list(replicas)))
@@ -58,6 +62,11 @@ class Harness:
 
     def job(self, job_id: str) -> Job:
         return self.store.get(job_id)
+
+    def cancel(self, job_id: str) -> asyncio.Future:
+        reply = self.loop.create_future()
+        self.s.handle(ev.CancelJob(job_id, reply))
+        return reply
 
     def acquire(self, model: str) -> asyncio.Future:
         waiter = Waiter(model, self.loop.create_future())

@@ -8,7 +8,7 @@ import httpx
 import pytest
 import yaml
 
-from tests.proxy.conftest import pids_with, wait_until
+from bench.processes import pids_with, wait_until
 
 KEY = "sekrit"
 
@@ -36,13 +36,13 @@ def test_jobs_queue_per_model_cancel_and_health_timeout(proxy):
     load = proxy.client.post("/jobs", json={"type": "load", "model": "slow"}).json()
     unload = proxy.client.post("/jobs", json={"type": "unload", "model": "slow"}).json()
     assert (load["status"], unload["status"]) == ("running", "queued")
-    assert proxy.client.delete(f"/jobs/{load['id']}").status_code == 409
     cancelled = proxy.client.delete(f"/jobs/{unload['id']}").json()
     assert cancelled["status"] == "cancelled"
     assert [j["id"] for j in proxy.client.get("/jobs", params={"model": "slow"}).json()] == [unload["id"], load["id"]]
     assert proxy.client.get("/jobs", params={"status": "cancelled"}).json()[0]["id"] == unload["id"]
     failed = proxy.wait_job(load["id"], 30)
     assert failed["status"] == "failed" and "did not answer /health with 200 within 2 s" in failed["error"]
+    assert proxy.client.delete(f"/jobs/{load['id']}").status_code == 409  # finished: nothing to cancel
     wait_until(lambda: not pids_with(proxy.script), 5, "the never-healthy server to be stopped")
     assert proxy.client.get(f"/jobs/{load['id']}/log").status_code == 200
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from proxy.config import ProxyConfigError, load_config
-from tests.ports import free_port
+from bench.processes import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 

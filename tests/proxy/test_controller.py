@@ -56,14 +56,80 @@ def test_jobs_on_one_model_run_in_order_and_different_models_together(h):
     assert h.fx.stops[-1][:2] == ("a", second.id)
 
 
-def test_only_a_queued_job_can_be_cancelled(h):
+def test_a_queued_job_can_be_cancelled_and_a_running_unload_or_a_finished_job_cannot(h):
     running, queued = h.submit("load", "a"), h.submit("unload", "a")
-    reply = h.loop.create_future()
-    h.s.handle(ev.CancelJob(queued.id, reply))
+    reply = h.cancel(queued.id)
     assert reply.result().status is JobStatus.cancelled and h.job(queued.id).status is JobStatus.cancelled
-    reply = h.loop.create_future()
-    h.s.handle(ev.CancelJob(running.id, reply))
-    assert error_of(reply).status == 409
+    h.finish_load("a")
+    e = error_of(h.cancel(running.id))
+    assert e.status == 409 and "succeeded" in e.message
+    unload = h.submit("unload", "a")
+    lease = h.acquire("a")  # refused: the unload runs; the model is not autoload
+    e = error_of(h.cancel(unload.id))
+    assert e.status == 409 and "running unload, which cannot be undone" in e.message
+    assert error_of(lease).status == 503 and h.job(unload.id).status is JobStatus.running
+
+
+def test_cancelling_a_running_load_stops_its_servers_and_leaves_the_model_unloaded(h):
+    job = h.submit("load", "a")
+    h.s.handle(ev.ReplicaStarting(job.id, "a", 0, 9000, 100))
+    waiting = h.acquire("a")
+    reply = h.cancel(job.id)
+    assert h.fx.load_cancels == [job.id] and not reply.done()  # answered once the server is stopped
+    assert h.job(job.id).status is JobStatus.running and "cancelling" in h.job(job.id).message
+    again = h.cancel(job.id)  # a second DELETE waits for the same end
+    assert h.fx.load_cancels == [job.id]
+    h.s.handle(ev.LoadCancelled(job.id, "a", [100], ["loading weights"]))
+    done = h.job(job.id)
+    assert reply.result().status is JobStatus.cancelled and again.result().status is JobStatus.cancelled
+    assert done.status is JobStatus.cancelled and "pid 100" in done.message and done.error is None
+    assert done.log_tail == ["loading weights"]
+    m = h.s.models["a"]
+    assert m.status is ModelStatus.unloaded and m.pool.replicas == [] and h.s.running() == []
+    e = error_of(waiting)
+    assert e.status == 503 and f"load job {job.id} was cancelled" in e.message
+    h.submit("load", "a")  # a later load works
+    h.finish_load("a")
+    assert m.status is ModelStatus.ready and h.acquire("a").result().replica.model == "a"
+
+
+def test_a_load_that_ends_before_the_cancel_reaches_it_keeps_its_outcome(h):
+    job = h.submit("load", "a")
+    reply = h.cancel(job.id)
+    h.finish_load("a")  # its LoadDone was already on its way
+    e = error_of(reply)
+    assert e.status == 409 and "succeeded before it could be cancelled" in e.message
+    assert h.job(job.id).status is JobStatus.succeeded and h.s.models["a"].status is ModelStatus.ready
+
+
+def test_a_starting_replica_is_listed_with_its_pid_until_its_load_ends(h):
+    job = h.submit("load", "a")
+    h.s.handle(ev.ReplicaStarting(job.id, "a", 0, 9000, 100))
+    h.s.handle(ev.ReplicaStarting("0" * 32, "a", 1, 9001, 101))  # of no running job: ignored
+    [running] = h.s.running()
+    assert running["status"] == "loading" and running["current_job"] == job.id
+    assert [(r["state"], r["pid"], r["port"]) for r in running["replicas"]] == [("starting", 100, 9000)]
+    assert h.acquire("a").done() is False  # a starting replica takes no request
+    h.finish_load("a", ports=(9000,), pid0=100)
+    assert [(r["state"], r["pid"]) for r in h.s.running()[0]["replicas"]] == [("ready", 100)]
+
+
+def test_a_failed_load_forgets_its_starting_replicas(h):
+    job = h.submit("load", "a")
+    h.s.handle(ev.ReplicaStarting(job.id, "a", 0, 9000, 100))
+    h.s.handle(ev.LoadDone(job.id, "a", error="replica 0 was killed by signal 9 (SIGKILL) before it was healthy"))
+    assert h.s.models["a"].pool.replicas == [] and h.s.running() == []
+
+
+def test_a_replica_killed_by_a_signal_is_reported_by_the_signal_without_its_last_line(h):
+    h.submit("load", "c")
+    h.finish_load("c", pid0=100)
+    h.s.handle(ev.ReplicaExited("c", 100, -9, "INFO slot 0: decoding"))
+    reason = "replica 0 (pid 100) was killed by signal 9 (SIGKILL)"
+    assert reason in h.fx.loads[-1][0].message and "decoding" not in h.fx.loads[-1][0].message
+    h.finish_load("c", pid0=200)
+    h.s.handle(ev.ReplicaExited("c", 200, 1, "ValueError: bad weights"))  # an exit code keeps the line that says why
+    assert h.s.models["c"].last_error == "replica 0 (pid 200) exited with code 1: ValueError: bad weights"
 
 
 def test_request_for_unloaded_model_is_refused_with_how_to_load_it(h):
@@ -199,3 +265,78 @@ def test_idle_ttl_unloads_with_a_recorded_job():
     unload = h.store.list(model="t", status=JobStatus.running)[0]
     assert unload.trigger is Trigger.idle_ttl
     h.close()
+
+
+@pytest.fixture
+def swap():
+    """Two autoload members of an exclusive group, x loaded."""
+    harness = Harness(profile("x", group="g", autoload=True), profile("y", group="g", autoload=True),
+                      groups={"g": GroupSpec(exclusive=True)})
+    harness.submit("load", "x")
+    harness.finish_load("x")
+    yield harness
+    harness.close()
+
+
+def test_autoload_request_for_a_member_being_unloaded_waits_for_it_to_load_again(swap):
+    """As llama-swap does: the request for x that arrives while y's load unloads x is queued, and x
+    loads back once y has served its own waiter."""
+    h = swap
+    x_lease = h.acquire("x").result()  # keeps x unloading for a while
+    for_y = h.acquire("y")
+    assert h.s.models["x"].status is ModelStatus.unloading
+    for_x = h.acquire("x")
+    assert not for_x.done()  # today's answer was 503 "is being unloaded"
+    reload_x = h.store.list(model="x")[0]
+    assert (reload_x.type.value, reload_x.trigger, reload_x.status) == ("load", Trigger.autoload, JobStatus.queued)
+    h.s.handle(ev.Release(x_lease))
+    h.finish_stop("x")
+    assert [x[1] for x in h.fx.loads] == ["x", "y"]  # y, whose load waited for the unload, goes first
+    h.finish_load("y")
+    y_lease = for_y.result()
+    assert not for_x.done() and h.s.models["y"].status is ModelStatus.unloading
+    h.s.handle(ev.Release(y_lease))
+    h.finish_stop("y")
+    assert [x[1] for x in h.fx.loads] == ["x", "y", "x"]
+    h.finish_load("x", pid0=300)
+    assert for_x.result().replica.pid == 300 and h.job(reload_x.id).status is JobStatus.succeeded
+
+
+def test_autoload_request_waiting_through_an_unload_gets_the_reloads_error(swap):
+    h = swap
+    h.submit("unload", "x")
+    lease = h.acquire("x")
+    assert not lease.done()
+    h.finish_stop("x")
+    job, name, _ = h.fx.loads[-1]
+    assert name == "x" and job.trigger is Trigger.autoload
+    h.s.handle(ev.LoadDone(job.id, "x", error="replica 0 exited with code 1 before it was healthy: no memory"))
+    e = error_of(lease)
+    assert e.status == 503 and "no memory" in e.message
+
+
+def test_requests_queued_when_an_autoload_model_starts_unloading_load_it_again(swap):
+    h = swap
+    busy = [h.acquire("x") for _ in range(3)]  # two slots: the third waits
+    assert [f.done() for f in busy] == [True, True, False]
+    unload = h.submit("unload", "x")
+    reload_x = h.store.list(model="x")[0]
+    assert reload_x.trigger is Trigger.autoload and "waited for it while it unloaded" in reload_x.message
+    for f in busy[:2]:
+        h.s.handle(ev.Release(f.result()))
+    h.finish_stop("x")
+    assert h.job(unload.id).status is JobStatus.succeeded and not busy[2].done()
+    h.finish_load("x", pid0=400)
+    assert busy[2].result().replica.pid == 400
+
+
+def test_a_load_waiting_for_its_group_is_cancelled_at_once(swap):
+    h = swap
+    x_lease = h.acquire("x").result()
+    load_y = h.submit("load", "y")
+    reply = h.cancel(load_y.id)
+    assert reply.result().status is JobStatus.cancelled and "exclusive group" in reply.result().message
+    assert h.fx.load_cancels == [] and [x[1] for x in h.fx.loads] == ["x"]
+    h.s.handle(ev.Release(x_lease))  # the unload it asked for still runs to its end
+    h.finish_stop("x")
+    assert h.s.models["x"].status is ModelStatus.unloaded and [x[1] for x in h.fx.loads] == ["x"]

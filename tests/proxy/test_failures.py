@@ -7,7 +7,8 @@ import signal
 import httpx
 import pytest
 
-from tests.proxy.conftest import LONG_STREAM, alive, pids_with, sse_events, tiny_profile, wait_until
+from bench.processes import alive, pids_with, wait_until
+from tests.proxy.conftest import LONG_STREAM, sse_events, tiny_profile
 
 
 @pytest.fixture(scope="module")

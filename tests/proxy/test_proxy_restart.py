@@ -13,7 +13,8 @@ import sys
 from pathlib import Path
 
 from proxy.children import ChildRegistry, reap_leftovers, start_ticks
-from tests.proxy.conftest import alive, pids_with, tiny_profile, wait_until
+from bench.processes import alive, pids_with, wait_until
+from tests.proxy.conftest import tiny_profile
 
 STUBBORN = ("import pathlib, signal, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
             "pathlib.Path(sys.argv[0] + '.ready').touch(); time.sleep(120)")

@@ -10,7 +10,8 @@ import time
 import httpx
 import pytest
 
-from tests.proxy.conftest import LONG_STREAM, alive, sse_events, tiny_profile, wait_until
+from bench.processes import alive, wait_until
+from tests.proxy.conftest import LONG_STREAM, sse_events, tiny_profile
 
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "Say something."}], "temperature": 0,
         "max_tokens": 12, "stream": True}

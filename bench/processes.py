@@ -1,0 +1,188 @@
+"""Real `python -m server` and `python -m proxy` processes on a free loopback port, for benchmarks
+and tests: every wait is bounded, and each process is killed when its owner is done with it."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import yaml
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+ROOT = Path(__file__).resolve().parents[1]
+LOAD_TIMEOUT = 180.0  # the default model loads in ~12 s on an idle machine; colleagues share it
+
+
+class ServerProcess:
+    def __init__(self, args: list[str], log_path: Path, api_key: str | None = None):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        cmd = [sys.executable, "-m", "server", "--port", str(self.port), "-t", "1", *args]
+        if api_key:
+            cmd += ["--api-key", api_key]
+        self.log = open(log_path, "w")
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT)
+
+    def wait_ready(self, timeout: float = LOAD_TIMEOUT) -> "ServerProcess":
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_text()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return self
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        raise TimeoutError(f"server not ready after {timeout} s:\n{self.log_text()}")
+
+    def client(self, **kwargs) -> httpx.Client:
+        return httpx.Client(base_url=self.url, headers=self.headers, timeout=kwargs.pop("timeout", 120), **kwargs)
+
+    def log_text(self) -> str:
+        self.log.flush()
+        return self.log_path.read_text()[-4000:]
+
+    def terminate(self) -> None:
+        self.proc.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(timeout=30)
+        self.log.close()
+
+
+def sse_events(response: httpx.Response):
+    """The JSON payloads of an SSE response, up to (not including) `[DONE]`."""
+    for line in response.iter_lines():
+        if not line.startswith("data: "):
+            continue
+        data = line[len("data: "):]
+        if data == "[DONE]":
+            return
+        yield json.loads(data)
+
+
+def alive(pid: int) -> bool:
+    """Running, not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def pids_with(text: str) -> list[int]:
+    """Live processes whose command line contains `text`."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    if text.encode() in f.read().replace(b"\0", b" ") and alive(int(entry)):
+                        found.append(int(entry))
+            except OSError:
+                pass
+    return found
+
+
+def wait_until(predicate, timeout: float, what: str, interval: float = 0.05):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
+        time.sleep(interval)
+
+
+class ProxyProcess:
+    """One `python -m proxy` with its own config, state directory and port."""
+
+    def __init__(self, root: Path, profiles: dict, groups: dict | None = None, api_key: str | None = None):
+        self.root, self.port = root, free_port()
+        (root / "profiles").mkdir(parents=True, exist_ok=True)
+        (root / "profiles" / "test.yaml").write_text(yaml.safe_dump(profiles))
+        settings = {"port": self.port, "state_dir": str(root / "state"), "groups": groups or {}}
+        if api_key:
+            settings["api_key"] = api_key
+        (root / "proxy.yaml").write_text(yaml.safe_dump(settings))
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen | None = None
+        self.client = httpx.Client(base_url=self.url, timeout=30.0)
+
+    def start(self) -> "ProxyProcess":
+        self.log = open(self.root / f"proxy-{time.monotonic_ns()}.log", "w")
+        self.proc = subprocess.Popen([sys.executable, "-m", "proxy", "--config", str(self.root / "proxy.yaml")],
+                                     cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT)
+
+        def up():
+            assert self.proc.poll() is None, f"proxy exited: {(self.root / self.log.name).read_text()}"
+            try:
+                return httpx.get(self.url + "/health", timeout=1.0).status_code == 200
+            except httpx.HTTPError:
+                return False
+        wait_until(up, 20, "the proxy's /health")
+        return self
+
+    def descendants(self) -> list[int]:
+        parents: dict[int, int] = {}
+        for entry in os.listdir("/proc"):
+            if entry.isdigit():
+                try:
+                    with open(f"/proc/{entry}/stat") as f:
+                        parents[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
+                except (OSError, IndexError, ValueError):
+                    pass
+        found, frontier = [], [self.proc.pid] if self.proc else []
+        while frontier:
+            kids = [p for p, pp in parents.items() if pp in frontier]
+            found += kids
+            frontier = kids
+        return found
+
+    def kill_all(self) -> None:
+        pids = self.descendants() + pids_with(str(self.root))
+        if self.proc and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    # -- API helpers --------------------------------------------------------------------------
+
+    def job(self, type_: str, model: str, timeout: float = 90) -> dict:
+        """Submits a job and waits for it to finish."""
+        r = self.client.post("/jobs", json={"type": type_, "model": model})
+        assert r.status_code == 202, r.text
+        return self.wait_job(r.json()["id"], timeout)
+
+    def wait_job(self, job_id: str, timeout: float = 90) -> dict:
+        def finished():
+            job = self.client.get(f"/jobs/{job_id}").json()
+            return job if job["status"] in ("succeeded", "failed", "cancelled") else None
+        return wait_until(finished, timeout, f"job {job_id}", interval=0.1)
+
+    def replicas(self, model: str) -> list[dict]:
+        models = {m["model"]: m for m in self.client.get("/running").json()["models"]}
+        return models[model]["replicas"] if model in models else []
