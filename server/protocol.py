@@ -13,6 +13,9 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 MAX_STOP_STRINGS = 4
+# The validators below word their own refusals; these tell /openapi.json's readers (clients,
+# fuzzers) the same rules.
+_NON_EMPTY = {"minItems": 1}
 # What both HTTP apps answer without the API key: the health probe and the API's description (the
 # /docs page loads its script and style from a CDN; /docs/oauth2-redirect serves OAuth flows only).
 OPEN_PATHS = ("/health", "/openapi.json", "/docs", "/docs/oauth2-redirect")
@@ -137,8 +140,11 @@ class SamplingFields(_Body):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repeat_penalty: float = 1.0
-    logit_bias: dict[str, float] | list[list[float]] | None = None
-    n: int = 1
+    logit_bias: dict[str, float] | list[list[float]] | None = Field(default=None, json_schema_extra={"anyOf": [
+        {"type": "object", "additionalProperties": {"type": "number"}},
+        {"type": "array", "items": {"type": "array", "items": {"type": "number"}, "minItems": 2, "maxItems": 2}},
+        {"type": "null"}]})
+    n: int = Field(default=1, json_schema_extra={"enum": [1]})
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
@@ -202,7 +208,7 @@ class SamplingFields(_Body):
 
 
 class ChatMessage(_Body):
-    role: str
+    role: str = Field(json_schema_extra={"enum": list(ROLES)})
     content: str | list[dict[str, Any]] | None = None
 
     @field_validator("role")
@@ -226,7 +232,7 @@ class ChatMessage(_Body):
 
 
 class ChatCompletionRequest(SamplingFields):
-    messages: list[ChatMessage]
+    messages: list[ChatMessage] = Field(json_schema_extra=_NON_EMPTY)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
@@ -260,9 +266,12 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[int] | list[str]
+    prompt: str | list[int] | list[str] = Field(json_schema_extra={"anyOf": [
+        {"type": "string", "minLength": 1},
+        {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1},
+        {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1, "maxItems": 1}]})
     logprobs: int | None = Field(default=None, ge=0, le=20)
-    echo: bool = False
+    echo: bool = Field(default=False, json_schema_extra={"enum": [False]})
 
     @field_validator("prompt")
     @classmethod
@@ -304,7 +313,7 @@ class DetokenizeRequest(_Body):
 
 
 class ApplyTemplateRequest(_Body):
-    messages: list[ChatMessage]
+    messages: list[ChatMessage] = Field(json_schema_extra=_NON_EMPTY)
 
     @field_validator("messages")
     @classmethod
