@@ -15,7 +15,7 @@ import uvicorn
 
 from proxy.app import create_app
 from proxy.config import ProxyConfigError, load_config
-from server.logs import LOG_FORMATS, LOG_LEVELS, setup_logging, uvicorn_log_options
+from server.logs import LOG_FORMATS, LOG_LEVELS, UVICORN_LOG_OPTIONS, setup_logging
 
 log = logging.getLogger("tandem.proxy")
 
@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     # proxy_headers off: it is for deployments behind another proxy, and costs time on every request.
     server = ProxyServer(uvicorn.Config(create_app(config, overrides), host=s.host, port=s.port,
                                         timeout_graceful_shutdown=5, lifespan="on", proxy_headers=False,
-                                        **uvicorn_log_options(a.log_level)))
+                                        **UVICORN_LOG_OPTIONS))
     log.info("proxy on http://%s:%d, %d profile(s), state in %s", s.host, s.port, len(config.profiles),
              config.state_dir)
     server.run()

@@ -16,7 +16,7 @@ from engine.errors import TandemError
 from server.app import create_app
 from server.cli import configs
 from server.flags import FlagError, help_text, parse_flags
-from server.logs import setup_logging, uvicorn_log_options
+from server.logs import UVICORN_LOG_OPTIONS, setup_logging
 from server.runner import EngineRunner
 from server.state import ServerState
 
@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     holder: list[DrainingServer] = []
     app = create_app(state, on_load_failure=lambda e: holder[0].fail(e))
     config = uvicorn.Config(app, host=settings.host, port=settings.port, timeout_graceful_shutdown=5, lifespan="on",
-                            **uvicorn_log_options(flags.log_level))
+                            **UVICORN_LOG_OPTIONS)
     server = DrainingServer(config, state)
     holder.append(server)
     log.info("listening on http://%s:%d (model loading)", settings.host, settings.port)

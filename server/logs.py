@@ -44,9 +44,13 @@ def setup_logging(level: str = "info", format: str = "text") -> None:
         logger = logging.getLogger(name)
         logger.handlers.clear()  # uvicorn's own config is off (log_config=None); the root's handler writes
         logger.propagate = True
+    logging.getLogger("uvicorn.access").setLevel(root.level)
+    # uvicorn's lifecycle lines ("Started server process", ...) repeat what tandem's own say, and
+    # their logger's name would make every one look like an error to a reader (the proxy's included).
+    logging.getLogger("uvicorn.error").setLevel(max(root.level, logging.WARNING))
     logging.getLogger("httpx").setLevel(max(root.level, logging.WARNING))  # a line per poll and relayed request
 
 
-def uvicorn_log_options(level: str) -> dict:
-    """uvicorn.Config's arguments for logging through setup_logging's handler, access log included."""
-    return {"log_config": None, "log_level": level, "access_log": True}
+# uvicorn.Config's arguments for logging through setup_logging's handler and levels (a log_level
+# given to uvicorn would set its loggers' levels over setup_logging's), access log included.
+UVICORN_LOG_OPTIONS = {"log_config": None, "log_level": None, "access_log": True}

@@ -29,6 +29,7 @@ def test_a_server_with_log_format_json_writes_json_lines_with_an_access_line(sta
     lines = [json.loads(line) for line in server.log_path.read_text().splitlines() if line.strip()]
     assert all({"time", "level", "logger", "message"} <= line.keys() for line in lines)
     assert any(line["logger"] == "tandem.server" and "model loaded" in line["message"] for line in lines)
+    assert not any(line["logger"] == "uvicorn.error" and line["level"] == "info" for line in lines)
     access = [line for line in lines if line["logger"] == "uvicorn.access" and line.get("path") == "/v1/completions"]
     assert access and access[0]["method"] == "POST" and access[0]["status"] == 200 and access[0]["level"] == "info"
 
