@@ -72,3 +72,13 @@ def sse_events(response: httpx.Response):
         if data == "[DONE]":
             return
         yield json.loads(data)
+
+
+def wait_idle(client: httpx.Client, timeout: float = 10.0) -> list[dict]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        slots = client.get("/slots").json()
+        if not any(s["is_processing"] for s in slots):
+            return slots
+        time.sleep(0.05)
+    raise AssertionError(f"slots still busy after {timeout} s: {slots}")

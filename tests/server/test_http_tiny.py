@@ -8,7 +8,7 @@ import time
 import httpx
 import pytest
 
-from tests.server.helpers import sse_events
+from tests.server.helpers import sse_events, wait_idle
 
 KEY = "sekret"
 CHAT = {"messages": [{"role": "user", "content": "hello"}], "temperature": 0}
@@ -199,16 +199,6 @@ def test_other_refusals_and_the_server_still_serves(client):
     for model in ("tiny", "default", None):
         r = client.post("/v1/chat/completions", json={**CHAT, "model": model, "max_tokens": 2})
         assert r.status_code == 200, r.text
-
-
-def wait_idle(client: httpx.Client, timeout: float = 10.0) -> list[dict]:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        slots = client.get("/slots").json()
-        if not any(s["is_processing"] for s in slots):
-            return slots
-        time.sleep(0.05)
-    raise AssertionError(f"slots still busy after {timeout} s: {slots}")
 
 
 def test_disconnect_mid_stream_frees_the_slot(server, client):
