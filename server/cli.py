@@ -21,7 +21,7 @@ def configs(f: ServerFlags) -> tuple[EngineConfig, ServerSettings]:
                           cache_type_v=f.cache_type_v, kv_unified=f.kv_unified, threads=f.threads,
                           chat_template=f.chat_template, spec=spec)
     settings = ServerSettings(host=f.host, port=f.port, alias=f.alias, api_key=f.api_key, body_limit=f.body_limit,
-                              drain_timeout=f.drain_timeout)
+                              drain_timeout=f.drain_timeout, queue_limit=f.queue_limit, timeout=f.timeout)
     return engine, settings
 
 
