@@ -15,6 +15,7 @@ import uvicorn
 
 from proxy.app import create_app
 from proxy.config import ProxyConfigError, load_config
+from server.logs import LOG_FORMATS, LOG_LEVELS, UVICORN_LOG_OPTIONS, setup_logging
 
 log = logging.getLogger("tandem.proxy")
 
@@ -25,7 +26,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--host", help="listen address (default from the config: 127.0.0.1)")
     p.add_argument("--port", type=int, help="listen port (default from the config: 8082)")
     p.add_argument("--state-dir", help="job records, child records and server logs")
-    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every endpoint but /health")
+    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every API call "
+                                     "(/health, /openapi.json and /docs stay open)")
+    p.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="least severe log level written")
+    p.add_argument("--log-format", choices=LOG_FORMATS, default="text", help="text, or json: one object per line")
     p.add_argument("--check", action="store_true", help="validate the config, list the profiles, and exit")
     return p
 
@@ -45,9 +49,8 @@ class ProxyServer(uvicorn.Server):
 
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per health poll and relayed request
     a = parser().parse_args(argv)
+    setup_logging(a.log_level, a.log_format)
     overrides = {k: v for k, v in (("host", a.host), ("port", a.port), ("state_dir", a.state_dir),
                                    ("api_key", a.api_key)) if v is not None}
     try:
@@ -61,8 +64,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     s = config.settings
     # proxy_headers off: it is for deployments behind another proxy, and costs time on every request.
-    server = ProxyServer(uvicorn.Config(create_app(config, overrides), host=s.host, port=s.port, log_level="warning",
-                                        timeout_graceful_shutdown=5, lifespan="on", proxy_headers=False))
+    server = ProxyServer(uvicorn.Config(create_app(config, overrides), host=s.host, port=s.port,
+                                        timeout_graceful_shutdown=5, lifespan="on", proxy_headers=False,
+                                        **UVICORN_LOG_OPTIONS))
     log.info("proxy on http://%s:%d, %d profile(s), state in %s", s.host, s.port, len(config.profiles),
              config.state_dir)
     server.run()

@@ -27,7 +27,7 @@ from proxy.controller import Controller
 from proxy.supervisor import Supervisor
 from proxy.upstream import UpstreamClient
 from server.http_errors import install_error_handlers
-from server.protocol import APIError, validation_problems
+from server.protocol import ERROR_RESPONSES, OPEN_PATHS, APIError, validation_problems
 
 log = logging.getLogger("tandem.proxy")
 
@@ -55,7 +55,7 @@ class Proxy:
 
 class Front:
     """The outermost ASGI app. It checks the API key ('Authorization: Bearer KEY' on everything but
-    /health), sends completions straight to the relay and everything else to FastAPI. The relay is raw
+    server.protocol.OPEN_PATHS), sends completions straight to the relay and everything else to FastAPI. The relay is raw
     ASGI and needs none of FastAPI's routing or middleware, which would also wrap every streamed chunk."""
 
     def __init__(self, api: FastAPI, key: str | None):
@@ -70,7 +70,7 @@ class Front:
         if scope["type"] != "http":
             await self.api(scope, receive, send)  # lifespan
             return
-        if self.expected and scope["path"] != "/health":
+        if self.expected and scope["path"] not in OPEN_PATHS:
             given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
             if given != self.expected:
                 await send_error(send, 401, "invalid or missing API key (Authorization: Bearer KEY)")
@@ -123,7 +123,8 @@ def create_app(config: ProxyConfig, overrides: dict | None = None) -> Front:
             app.state.proxy = proxy
             yield
 
-    app = FastAPI(title="tandem proxy", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="tandem proxy", lifespan=lifespan, docs_url="/docs", redoc_url=None, openapi_url="/openapi.json",
+                  responses=ERROR_RESPONSES)
     app.router.routes.append(Route("/upstream/{model}/{path:path}", Upstream(),  # raw ASGI: see proxy.forward
                                    methods=["GET", "POST", "PUT", "DELETE"]))
 

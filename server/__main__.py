@@ -16,6 +16,7 @@ from engine.errors import TandemError
 from server.app import create_app
 from server.cli import configs
 from server.flags import FlagError, help_text, parse_flags
+from server.logs import UVICORN_LOG_OPTIONS, setup_logging
 from server.runner import EngineRunner
 from server.state import ServerState
 
@@ -59,7 +60,6 @@ class DrainingServer(uvicorn.Server):
 
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         flags = parse_flags(argv)
         if flags.help:
@@ -69,13 +69,14 @@ def main(argv: list[str] | None = None) -> int:
     except (FlagError, TandemError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    setup_logging(flags.log_level, flags.log_format)
     # Streams end when their request does, not when the signal arrives (see DrainingServer).
     AppStatus.disable_automatic_graceful_drain()
     state = ServerState(settings, EngineRunner(engine_config))
     holder: list[DrainingServer] = []
     app = create_app(state, on_load_failure=lambda e: holder[0].fail(e))
-    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning",
-                            timeout_graceful_shutdown=5, lifespan="on")
+    config = uvicorn.Config(app, host=settings.host, port=settings.port, timeout_graceful_shutdown=5, lifespan="on",
+                            **UVICORN_LOG_OPTIONS)
     server = DrainingServer(config, state)
     holder.append(server)
     log.info("listening on http://%s:%d (model loading)", settings.host, settings.port)

@@ -16,7 +16,8 @@ from server.edge import EdgeMiddleware
 from server.http_errors import install_error_handlers
 from server.metrics import EngineGauges
 from server.openai_api import get_state, render_chat, router
-from server.protocol import APIError, ApplyTemplateRequest, DetokenizeRequest, TokenizeRequest, error_body
+from server.protocol import (ERROR_RESPONSES, APIError, ApplyTemplateRequest, DetokenizeRequest, TokenizeRequest,
+                             error_body)
 from server.state import ServerState
 
 log = logging.getLogger("tandem.server")
@@ -36,7 +37,8 @@ def create_app(state: ServerState, on_load_failure: Callable[[BaseException], No
         yield
         await asyncio.to_thread(state.runner.stop)
 
-    app = FastAPI(title="tandem", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="tandem", version=build_info(), lifespan=lifespan, docs_url="/docs", redoc_url=None,
+                  openapi_url="/openapi.json", responses=ERROR_RESPONSES)
     app.state.tandem = state
     app.add_middleware(EdgeMiddleware, state=state)
     app.include_router(router)
@@ -114,8 +116,9 @@ def create_app(state: ServerState, on_load_failure: Callable[[BaseException], No
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest, request: Request):
-        tokenizer = get_state(request).runner.engine.tokenizer
-        ids = tokenizer.hf.encode(body.content, add_special_tokens=body.add_special)
+        state = get_state(request)
+        tokenizer = state.runner.engine.tokenizer
+        ids = await state.prompts.ids(body.content, body.add_special)
         if body.with_pieces:
             return {"tokens": [{"id": t, "piece": tokenizer.decode([t])} for t in ids]}
         return {"tokens": ids}

@@ -22,7 +22,7 @@ def configs(f: ServerFlags) -> tuple[EngineConfig, ServerSettings]:
                           chat_template=f.chat_template, spec=spec, compress_ratios=f.compress_ratios,
                           qsa_budget=f.qsa_budget)
     settings = ServerSettings(host=f.host, port=f.port, alias=f.alias, api_key=f.api_key, body_limit=f.body_limit,
-                              drain_timeout=f.drain_timeout)
+                              drain_timeout=f.drain_timeout, queue_limit=f.queue_limit, timeout=f.timeout)
     return engine, settings
 
 

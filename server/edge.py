@@ -1,14 +1,20 @@
 """Checks at the edge, before any handler runs: the API key, the body size limit, and refusing new
 requests while draining for shutdown. Also counts the requests in flight (a stream counts until
-its last byte is sent), which the graceful shutdown waits on."""
+its last byte is sent), which the graceful shutdown waits on, and of those the completions, which
+the wait queue's limit counts.
+
+Every body is read as JSON whatever its Content-Type says (or without one), as llama-server does:
+`curl -d '{...}'` sends application/x-www-form-urlencoded."""
 from __future__ import annotations
 
+import asyncio
 import json
 
-from server.protocol import APIError, error_body
+from server.memory import BIG_BODY, give_back_freed_memory
+from server.protocol import OPEN_PATHS, APIError, error_body
 from server.state import ServerState
 
-OPEN_PATHS = ("/health",)  # answered without the API key
+COMPLETION_PATHS = ("/v1/chat/completions", "/v1/completions")
 
 
 class EdgeMiddleware:
@@ -32,11 +38,19 @@ class EdgeMiddleware:
         if declared > settings.body_limit:
             return await _reply(send, 413, f"request body of {declared} bytes exceeds the limit of "
                                            f"{settings.body_limit} bytes")
+        if scope["method"] == "POST":
+            scope = {**scope, "headers": [(k, v) for k, v in scope["headers"] if k != b"content-type"]
+                     + [(b"content-type", b"application/json")]}
+        completion = path in COMPLETION_PATHS
         self.state.in_flight += 1
+        self.state.completions += completion
         try:
             await self.app(scope, _limited(receive, settings.body_limit), send)
         finally:
             self.state.in_flight -= 1
+            self.state.completions -= completion
+            if declared > BIG_BODY:
+                await asyncio.to_thread(give_back_freed_memory)
 
 
 def _limited(receive, limit: int):

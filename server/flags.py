@@ -12,6 +12,7 @@ from dataclasses import dataclass, fields
 from typing import Callable, Sequence
 
 from engine.options import DTYPES, KV_CACHE_TYPES, SPEC_TYPES, CompressRatios
+from server.logs import LOG_FORMATS, LOG_LEVELS
 
 DEFAULT_BODY_LIMIT = 8 * 2**20
 
@@ -39,6 +40,10 @@ class ServerFlags:
     api_key: str | None = None
     body_limit: int = DEFAULT_BODY_LIMIT
     drain_timeout: float = 60.0
+    queue_limit: int | None = None  # None: unbounded
+    timeout: float | None = None  # None: no time limit
+    log_level: str = "info"
+    log_format: str = "text"
     spec_type: str | None = None  # as given: a name or an alias in engine.options.SPEC_TYPES
     spec_draft_model: str | None = None
     spec_draft_n_min: int = 0
@@ -119,9 +124,16 @@ _FLAGS = (
     _Flag(("--host",), "address to listen on"),
     _Flag(("--port",), "port to listen on", _ranged(int, 1, 65535)),
     _Flag(("--alias",), "the model name served (requests may also say 'default')"),
-    _Flag(("--api-key",), "require 'Authorization: Bearer KEY' on every endpoint but /health"),
+    _Flag(("--api-key",), "require 'Authorization: Bearer KEY' on every API call "
+                            "(/health, /openapi.json and /docs stay open)"),
     _Flag(("--body-limit",), "largest request body, bytes", _ranged(int, 1)),
     _Flag(("--drain-timeout",), "seconds in-flight requests get to finish after SIGTERM", _ranged(float, 0)),
+    _Flag(("--queue-limit",), "requests that may wait for a slot; one more gets 503 (default: unbounded)",
+          _ranged(int, 0)),
+    _Flag(("--timeout",), "seconds a request may take, waiting included; then it ends with finish_reason "
+                          "'timeout' (default: no limit)", _ranged(float, 0)),
+    _Flag(("--log-level",), "least severe log level written", _one_of(LOG_LEVELS)),
+    _Flag(("--log-format",), "text, or json: one object per line", _one_of(LOG_FORMATS)),
     _Flag(("--spec-type",), "drafter for speculative decoding", _one_of(sorted(SPEC_TYPES))),
     _Flag(("-md", "--spec-draft-model"), "the MTP draft file (draft-mtp) or draft model (draft-simple)"),
     _Flag(("--spec-draft-n-min",), "draft fewer than this: decode normally", _ranged(int, 0)),

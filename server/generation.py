@@ -3,6 +3,8 @@ text pieces (stop strings applied) and a final record with finish_reason, usage 
 Formatting into chat or text-completion shapes is left to openai_api."""
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
 from dataclasses import dataclass
 from typing import AsyncIterator
@@ -14,6 +16,19 @@ from engine.tokenizer import IncrementalDecoder
 from server.protocol import APIError, SamplingFields, Timings
 from server.state import ServerState
 from server.stop import StopMatcher
+
+
+log = logging.getLogger("tandem.server")
+
+# The engine's name for a parameter where the wire's differs, for errors that name the field sent.
+WIRE_NAMES = {"repetition_penalty": "repeat_penalty"}
+RETRY_AFTER_S = 1  # what a request refused by the full wait queue is told to wait
+
+
+def _wire_error(e: ConfigError) -> APIError:
+    """The engine's `field=value: rule` as a 400 naming the field as the request spelled it."""
+    name, sep, rest = str(e).partition("=")
+    return APIError(400, f"{WIRE_NAMES.get(name, name)}{sep}{rest}")
 
 
 @dataclass
@@ -42,14 +57,15 @@ class Final:
 
 def prepare(state: ServerState, body: SamplingFields, prompt_ids: list[int],
             n_logprobs: int | None) -> PreparedRequest:
-    """Everything checked before a slot is taken: model name, lengths, sampling parameters."""
+    """Everything checked before a slot is taken: model name, lengths, sampling parameters (their
+    ranges are SamplingParams' rules), and room in the wait queue."""
     engine = state.runner.engine
     state.check_model(body.model)
     limit = body.token_limit
     try:
         engine.check_prompt(len(prompt_ids), limit)
     except ConfigError as e:
-        raise APIError(400, str(e)) from e
+        raise _wire_error(e) from e
     vocab = engine.model.config.vocab_size
     if any(t >= vocab for t in prompt_ids):
         raise APIError(400, f"prompt: token ids must be < the vocabulary size {vocab}")
@@ -66,21 +82,47 @@ def prepare(state: ServerState, body: SamplingFields, prompt_ids: list[int],
             max_tokens=limit if limit is not None else engine.room_after(len(prompt_ids)),
             ignore_eos=body.ignore_eos, logit_bias=bias, logprobs=n_logprobs)
     except ConfigError as e:
-        raise APIError(400, str(e)) from e
+        raise _wire_error(e) from e
+    _check_queue(state)
     return PreparedRequest(prompt_ids, params, body.stop_strings, body.cache_prompt, body.id_slot)
+
+
+def _check_queue(state: ServerState) -> None:
+    """With --queue-limit N, a request that would wait behind N others waiting for a slot gets 503."""
+    limit = state.settings.queue_limit
+    slots = state.runner.engine.config.parallel
+    others = state.completions - 1  # the edge counts this request too
+    if limit is not None and others >= slots + limit:
+        raise APIError(503, f"all {slots} slot(s) are busy and {others - slots} request(s) already wait: "
+                            f"the wait queue's limit is {limit} (--queue-limit)",
+                       headers={"Retry-After": str(RETRY_AFTER_S)})
 
 
 async def run(state: ServerState, prepared: PreparedRequest) -> AsyncIterator[Piece | Final]:
     """Yields Pieces as tokens arrive, then one Final. Cancels the engine request when the
-    consumer stops early (client gone) or a stop string matches."""
+    consumer stops early (client gone), a stop string matches, or --timeout runs out (finish_reason
+    "timeout"); a request the client left is counted in /metrics as cancelled."""
     stream = state.runner.submit(prepared.prompt_ids, prepared.params, cache_prompt=prepared.cache_prompt,
                                  slot_id=prepared.slot_id)
     decoder = IncrementalDecoder(state.runner.engine.tokenizer)
     matcher = StopMatcher(prepared.stops)
-    n_tokens, t_last = 0, 0.0
+    timeout = state.settings.timeout
+    deadline = None if timeout is None else stream.t_arrived + timeout
+    n_tokens, t_last, ended = 0, 0.0, False
     try:
         while True:
-            out = await stream.next()
+            try:
+                out = await asyncio.wait_for(stream.next(), None if deadline is None else
+                                             max(0.0, deadline - time.perf_counter()))
+            except TimeoutError:
+                stream.cancel()
+                ended, final = True, _final(state, stream.request, "timeout", n_tokens, time.perf_counter())
+                log.info("request %s: ended after its time limit of %g s (--timeout)", stream.request.id, timeout)
+                rest = matcher.flush()
+                if rest:
+                    yield Piece(rest, [], None)
+                yield final
+                return
             now = time.perf_counter()
             if out.token_ids:
                 if t_last:
@@ -92,8 +134,9 @@ async def run(state: ServerState, prepared: PreparedRequest) -> AsyncIterator[Pi
             text = matcher.push(decoder.push(out.token_ids))
             if matcher.stopped:
                 stream.cancel()
+                ended, final = True, _final(state, stream.request, "stop", n_tokens, now)
                 yield Piece(text, out.token_ids, out.logprobs)
-                yield _final(state, stream.request, "stop", n_tokens, now)
+                yield final
                 return
             if out.finished:
                 text += matcher.push(_decoder_rest(decoder)) + matcher.flush()
@@ -102,10 +145,13 @@ async def run(state: ServerState, prepared: PreparedRequest) -> AsyncIterator[Pi
             if out.finished:
                 # Text held back until the end may itself complete a stop string.
                 reason = "stop" if matcher.stopped else stream.request.finish_reason
+                ended = True
                 yield _final(state, stream.request, reason, n_tokens, None)
                 return
     finally:
         stream.cancel()  # no-op when the engine finished it
+        if not ended:
+            state.metrics.on_finished(_timings(stream.request, n_tokens, time.perf_counter()), cancelled=True)
 
 
 def _decoder_rest(decoder: IncrementalDecoder) -> str:
@@ -114,15 +160,20 @@ def _decoder_rest(decoder: IncrementalDecoder) -> str:
     return tok.decode(decoder.ids[decoder.prefix:])[len(tok.decode(decoder.ids[decoder.prefix:decoder.read])):]
 
 
-def _final(state: ServerState, req, reason: str, n_tokens: int, stopped_at: float | None) -> Final:
+def _timings(req, n_tokens: int, stopped_at: float | None) -> dict:
     if stopped_at is None:  # the engine finished the request: its own record is complete
         t = req.timings()
-    else:  # a stop string ended it here, while the engine may already hold one token more
+    else:  # ended here (stop string, time limit, client gone), while the engine may hold a token more
         first = req.t_first_token or stopped_at
-        t = RequestTimes(req.cache_n, req.prompt_n, 1000.0 * (first - req.t_started), n_tokens,
-                    1000.0 * (stopped_at - first), req.draft_n, req.draft_n_accepted)
-    timings = Timings.of(t).model_dump(exclude_none=True)
+        t = RequestTimes(req.cache_n, req.prompt_n, 1000.0 * ((first - req.t_started) if req.t_started else 0.0),
+                         n_tokens, 1000.0 * (stopped_at - first), req.draft_n, req.draft_n_accepted)
+    return Timings.of(t).model_dump(exclude_none=True)
+
+
+def _final(state: ServerState, req, reason: str, n_tokens: int, stopped_at: float | None) -> Final:
+    timings = _timings(req, n_tokens, stopped_at)
     n_prompt = len(req.prompt_ids)
-    usage = {"prompt_tokens": n_prompt, "completion_tokens": t.predicted_n, "total_tokens": n_prompt + t.predicted_n}
+    predicted = timings["predicted_n"]
+    usage = {"prompt_tokens": n_prompt, "completion_tokens": predicted, "total_tokens": n_prompt + predicted}
     state.metrics.on_finished(timings)
     return Final(reason, usage, timings)

@@ -64,11 +64,14 @@ class Metrics:
     draft_tokens: int = 0
     draft_accepted: int = 0
     requests_total: int = 0
+    requests_cancelled: int = 0  # of requests_total, those the client left before they finished
     ttft: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS))
     itl: Histogram = field(default_factory=lambda: Histogram(ITL_BUCKETS))
 
-    def on_finished(self, timings: dict) -> None:
+    def on_finished(self, timings: dict, cancelled: bool = False) -> None:
+        """A request ended, its tokens so far counted; `cancelled`: its client left first."""
         self.requests_total += 1
+        self.requests_cancelled += cancelled
         self.prompt_tokens += timings["prompt_n"]
         self.prompt_seconds += timings["prompt_ms"] / 1000
         self.predicted_tokens += timings["predicted_n"]
@@ -88,7 +91,9 @@ class Metrics:
             ("tokens_predicted_seconds_total", self.predicted_seconds, "Predict process time."),
             ("prompt_tokens_cached_total", self.cached_tokens, "Number of prompt tokens reused from a slot."),
             ("n_decode_total", g.steps, "Total number of engine steps (forward passes)."),
-            ("requests_total", self.requests_total, "Number of finished requests."),
+            ("requests_total", self.requests_total, "Number of requests ended, cancelled ones included."),
+            ("requests_cancelled_total", self.requests_cancelled,
+             "Number of requests whose client left before they finished (counted in requests_total too)."),
             ("draft_tokens_total", self.draft_tokens, "Number of tokens drafted for speculation."),
             ("draft_tokens_accepted_total", self.draft_accepted, "Number of drafted tokens accepted."),
         ]

@@ -38,7 +38,7 @@ def render_chat(state: ServerState, body) -> str:
 async def chat_completions(body: ChatCompletionRequest, request: Request):
     state = get_state(request)
     tokenizer = state.runner.engine.tokenizer
-    prompt_ids = tokenizer.encode(render_chat(state, body))
+    prompt_ids = await state.prompts.prompt_ids(render_chat(state, body))
     prepared = prepare(state, body, prompt_ids, body.n_logprobs)
     fmt = ChatFormat(state, body.model, tokenizer.decode)
     if body.stream:
@@ -50,7 +50,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
 async def completions(body: CompletionRequest, request: Request):
     state = get_state(request)
     tokenizer = state.runner.engine.tokenizer
-    prompt_ids = list(body.prompt) if isinstance(body.prompt, list) else tokenizer.encode(body.prompt)
+    prompt_ids = list(body.prompt) if isinstance(body.prompt, list) else await state.prompts.prompt_ids(body.prompt)
     prepared = prepare(state, body, prompt_ids, body.n_logprobs)
     fmt = TextFormat(state, body.model, tokenizer.decode)
     if body.stream:

@@ -1,8 +1,9 @@
 """HTTP wire models shared by server, proxy and bench: request bodies, response shapes, errors.
 
 Imports neither torch nor engine, so clients and the proxy can use it cheaply. Request bodies are
-validated here for types and ranges; what needs the model (token counts, the template) is checked
-by the server before a slot is taken.
+validated here for types and shapes (and text that is valid Unicode); the sampling parameters'
+ranges are engine.sampling.SamplingParams' own, and what needs the model (token counts, the
+template) is checked by the server too, all before a slot is taken.
 """
 from __future__ import annotations
 
@@ -12,16 +13,23 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 MAX_STOP_STRINGS = 4
+# The validators below word their own refusals; these tell /openapi.json's readers (clients,
+# fuzzers) the same rules.
+_NON_EMPTY = {"minItems": 1}
+# What both HTTP apps answer without the API key: the health probe and the API's description (the
+# /docs page loads its script and style from a CDN; /docs/oauth2-redirect serves OAuth flows only).
+OPEN_PATHS = ("/health", "/openapi.json", "/docs", "/docs/oauth2-redirect")
 ROLES = ("system", "user", "assistant", "tool", "developer")
 
 
 class APIError(Exception):
     """An error answered in the OpenAI shape; `message` names the field and the problem."""
 
-    def __init__(self, status: int, message: str, type_: str | None = None):
+    def __init__(self, status: int, message: str, type_: str | None = None, headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status, self.message = status, message
         self.type = type_ or error_type(status)
+        self.headers = headers
 
     def body(self) -> dict:
         return error_body(self.status, self.message, self.type)
@@ -35,6 +43,28 @@ def error_type(status: int) -> str:
 
 def error_body(status: int, message: str, type_: str | None = None) -> dict:
     return {"error": {"code": status, "message": message, "type": type_ or error_type(status)}}
+
+
+class ErrorDetail(BaseModel):
+    code: int
+    message: str
+    type: str
+
+
+class ErrorResponse(BaseModel):
+    """Every error either HTTP app answers, as OpenAI's API does."""
+    error: ErrorDetail
+
+
+# The OpenAPI schema's error answers, for every endpoint of both apps. "default" covers the rest
+# (405, 413, 500) and keeps FastAPI from documenting a 422 that neither app sends.
+ERROR_RESPONSES: dict[int | str, dict] = {
+    status: {"model": ErrorResponse, "description": description} for status, description in (
+        (400, "Invalid request: the message names the field, the value and the rule"),
+        (401, "Missing or wrong API key (with --api-key)"),
+        (404, "No such endpoint, or a model this server does not serve"),
+        (503, "Model loading, server draining, or the wait queue full (with Retry-After)"),
+        ("default", "Any other error, in the same shape"))}
 
 
 def validation_problems(errors) -> list[str]:
@@ -57,6 +87,41 @@ class _Body(BaseModel):
     # Unknown fields are accepted (clients send many) but never change behaviour.
     model_config = ConfigDict(extra="allow")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _unicode(cls, data):
+        """JSON may escape a lone surrogate ("\\ud800"), which no text encoding can carry: refused
+        here, naming where, rather than failing in the tokenizer."""
+        where = _lone_surrogate(data)
+        if where is not None:
+            path, i = where
+            raise ValueError(f"{'.'.join(map(str, path)) or 'body'}: not valid Unicode text "
+                             f"(a lone surrogate at character {i})")
+        return data
+
+
+def _lone_surrogate(value, path: tuple = ()) -> tuple[tuple, int] | None:
+    """(path, character index) of the first lone surrogate in a parsed JSON value, or None."""
+    if isinstance(value, str):
+        if value.isascii():
+            return None
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            return path, e.start
+        return None
+    if isinstance(value, dict):
+        for k, v in value.items():
+            found = _lone_surrogate(k, path) or _lone_surrogate(v, (*path, k))
+            if found:
+                return found
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            found = _lone_surrogate(v, (*path, i))
+            if found:
+                return found
+    return None
+
 
 class StreamOptions(_Body):
     include_usage: bool = False
@@ -68,48 +133,23 @@ class SamplingFields(_Body):
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float = 1.0
     top_p: float = 1.0
-    top_k: int = Field(default=0, ge=0)
-    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
-    seed: int | None = None
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = Field(default=None, ge=-2**63, lt=2**64)  # what a generator's seed can hold
     stop: str | list[str] | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repeat_penalty: float = 1.0
-    logit_bias: dict[str, float] | list[list[float]] | None = None
-    n: int = 1
+    logit_bias: dict[str, float] | list[list[float]] | None = Field(default=None, json_schema_extra={"anyOf": [
+        {"type": "object", "additionalProperties": {"type": "number"}},
+        {"type": "array", "items": {"type": "array", "items": {"type": "number"}, "minItems": 2, "maxItems": 2}},
+        {"type": "null"}]})
+    n: int = Field(default=1, json_schema_extra={"enum": [1]})
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
     cache_prompt: bool = True
     id_slot: int | None = None
-
-    @field_validator("temperature", "top_p", "presence_penalty", "frequency_penalty", "repeat_penalty")
-    @classmethod
-    def _finite(cls, v: float, info) -> float:
-        if not math.isfinite(v):
-            raise ValueError("must be a finite number")
-        return v
-
-    @field_validator("temperature")
-    @classmethod
-    def _temperature(cls, v: float) -> float:
-        if v < 0:
-            raise ValueError("must be >= 0")
-        return v
-
-    @field_validator("top_p")
-    @classmethod
-    def _top_p(cls, v: float) -> float:
-        if not 0 < v <= 1:
-            raise ValueError("must be in (0, 1]")
-        return v
-
-    @field_validator("repeat_penalty")
-    @classmethod
-    def _repeat_penalty(cls, v: float) -> float:
-        if v <= 0:
-            raise ValueError("must be > 0")
-        return v
 
     @field_validator("n")
     @classmethod
@@ -136,24 +176,39 @@ class SamplingFields(_Body):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
-    def bias_pairs(self) -> list[tuple[int, float]]:
-        """logit_bias as (token id, bias): OpenAI's {"id": bias} or llama-server's [[id, bias], ...]."""
-        if not self.logit_bias:
-            return []
-        try:
-            if isinstance(self.logit_bias, dict):
-                pairs = [(int(k), float(b)) for k, b in self.logit_bias.items()]
-            else:
-                pairs = [(int(p[0]), float(p[1])) for p in self.logit_bias]
-        except (ValueError, IndexError) as e:
-            raise APIError(400, f"logit_bias: keys must be token ids ({e})") from e
-        if any(not math.isfinite(b) and b != -math.inf for _, b in pairs):
-            raise APIError(400, "logit_bias: biases must be finite numbers")
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, v):
+        """OpenAI's {"id": bias} or llama-server's [[id, bias], ...], kept as [[id, bias], ...] with
+        integer ids: a list's 1.7 is refused, not read as token 1."""
+        if v is None:
+            return v
+        if isinstance(v, dict):
+            pairs = []
+            for key, bias in v.items():
+                try:
+                    pairs.append([int(key), bias])
+                except ValueError:
+                    raise ValueError(f"key {key!r} is not a token id") from None
+        else:
+            if any(len(p) != 2 for p in v):
+                raise ValueError("each entry must be a [token id, bias] pair")
+            bad = [t for t, _ in v if not (math.isfinite(t) and float(t).is_integer())]
+            if bad:
+                raise ValueError(f"token id {bad[0]!r} is not an integer")
+            pairs = [[int(t), b] for t, b in v]
+        bad = [b for _, b in pairs if not math.isfinite(b) and b != -math.inf]
+        if bad:
+            raise ValueError(f"bias {bad[0]!r} must be a finite number (or -Infinity, a ban)")
         return pairs
+
+    def bias_pairs(self) -> list[tuple[int, float]]:
+        """logit_bias as (token id, bias)."""
+        return [(t, b) for t, b in self.logit_bias or []]
 
 
 class ChatMessage(_Body):
-    role: str
+    role: str = Field(json_schema_extra={"enum": list(ROLES)})
     content: str | list[dict[str, Any]] | None = None
 
     @field_validator("role")
@@ -177,7 +232,7 @@ class ChatMessage(_Body):
 
 
 class ChatCompletionRequest(SamplingFields):
-    messages: list[ChatMessage]
+    messages: list[ChatMessage] = Field(json_schema_extra=_NON_EMPTY)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
@@ -211,9 +266,12 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[int] | list[str]
+    prompt: str | list[int] | list[str] = Field(json_schema_extra={"anyOf": [
+        {"type": "string", "minLength": 1},
+        {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1},
+        {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1, "maxItems": 1}]})
     logprobs: int | None = Field(default=None, ge=0, le=20)
-    echo: bool = False
+    echo: bool = Field(default=False, json_schema_extra={"enum": [False]})
 
     @field_validator("prompt")
     @classmethod
@@ -255,7 +313,7 @@ class DetokenizeRequest(_Body):
 
 
 class ApplyTemplateRequest(_Body):
-    messages: list[ChatMessage]
+    messages: list[ChatMessage] = Field(json_schema_extra=_NON_EMPTY)
 
     @field_validator("messages")
     @classmethod
@@ -310,4 +368,5 @@ class Timings(BaseModel):
                    recomputed_n=t.recomputed_n or None)
 
 
-FinishReason = Literal["stop", "length", "cancelled", "error"]
+# "timeout": the request ran past the server's --timeout and was ended there.
+FinishReason = Literal["stop", "length", "cancelled", "error", "timeout"]

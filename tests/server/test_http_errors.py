@@ -27,11 +27,11 @@ def test_unknown_path_and_method_are_named():
 
 
 def test_invalid_body_and_query_name_each_field_without_where_it_came_from():
-    r = client().post("/complete?limit=x", json={"temperature": -1})
+    r = client().post("/complete?limit=x", json={"max_tokens": 0})
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
     assert sorted(r.json()["error"]["message"].split("; ")) == [
         "limit: Input should be a valid integer, unable to parse string as an integer",
-        "prompt: field required", "temperature: must be >= 0"]
+        "max_tokens: Input should be greater than or equal to 1", "prompt: field required"]
 
 
 def test_api_error_answers_as_raised():

@@ -8,7 +8,7 @@ import time
 import httpx
 import pytest
 
-from tests.server.helpers import sse_events
+from tests.server.helpers import sse_events, wait_idle
 
 KEY = "sekret"
 CHAT = {"messages": [{"role": "user", "content": "hello"}], "temperature": 0}
@@ -138,6 +138,16 @@ BAD_INPUTS = [
     ("five stop strings", {**CHAT, "stop": ["a", "b", "c", "d", "e"]}, "stop"),
     ("bad logit bias", {**CHAT, "logit_bias": {"99999": 1}}, "logit_bias"),
     ("bad id_slot", {**CHAT, "id_slot": 7}, "id_slot"),
+    ("lone surrogate in a message", b'{"messages": [{"role": "user", "content": "a\\ud800"}]}', "messages.0.content"),
+    ("seed too large", {**CHAT, "seed": 2**64}, "seed"),
+    ("seed too small", {**CHAT, "seed": -2**63 - 1}, "seed"),
+    ("infinite token id", b'{"messages": [{"role": "user", "content": "hi"}], "logit_bias": [[Infinity, 5]]}',
+     "logit_bias"),
+    ("fractional token id", {**CHAT, "logit_bias": [[1.7, 5]]}, "logit_bias"),
+    ("zero repeat_penalty", {**CHAT, "repeat_penalty": 0}, "repeat_penalty=0"),
+    ("infinite presence_penalty", b'{"messages": [{"role": "user", "content": "hi"}], "presence_penalty": Infinity}',
+     "presence_penalty"),
+    ("negative top_k", {**CHAT, "top_k": -1}, "top_k"),
 ]
 
 
@@ -150,6 +160,37 @@ def test_bad_input_gets_a_400_naming_the_problem(client, name, body, word):
     assert_error(r, 400, word)
 
 
+@pytest.mark.parametrize("path,body,field", [
+    ("/v1/completions", b'{"prompt": "a\\ud800"}', "prompt"),
+    ("/tokenize", b'{"content": "\\ud800"}', "content"),
+    ("/apply-template", b'{"messages": [{"role": "user", "content": "\\ud800"}]}', "messages.0.content"),
+])
+def test_a_lone_surrogate_is_a_400_naming_the_field(client, path, body, field):
+    assert_error(client.post(path, content=body), 400, f"{field}: not valid Unicode text")
+
+
+@pytest.mark.parametrize("headers", [{"Content-Type": "text/plain"}, {},
+                                     {"Content-Type": "application/x-www-form-urlencoded"}])
+def test_a_body_is_json_whatever_its_content_type_says(client, headers):
+    body = b'{"prompt": "abc", "max_tokens": 2, "temperature": 0}'
+    r = client.post("/v1/completions", content=body, headers=headers)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 2
+    assert_error(client.post("/v1/completions", content=b"prompt=abc", headers=headers), 400, "malformed JSON")
+
+
+def test_the_schema_and_docs_are_open_and_document_the_error_shape(server, client):
+    schema = httpx.get(f"{server.url}/openapi.json").json()
+    assert {"/v1/chat/completions", "/v1/completions", "/tokenize", "/health", "/metrics"} <= schema["paths"].keys()
+    chat = schema["paths"]["/v1/chat/completions"]["post"]
+    assert {"400", "401", "404", "503"} <= chat["responses"].keys() and "422" not in chat["responses"]
+    assert chat["responses"]["400"]["content"]["application/json"]["schema"]["$ref"].endswith("/ErrorResponse")
+    assert "error" in schema["components"]["schemas"]["ErrorResponse"]["properties"]
+    docs = httpx.get(f"{server.url}/docs")
+    assert docs.status_code == 200 and "openapi.json" in docs.text
+    assert_error(httpx.post(f"{server.url}/tokenize", json={"content": "a"}), 401, "API Key")
+
+
 def test_other_refusals_and_the_server_still_serves(client):
     assert_error(client.post("/v1/chat/completions", json={**CHAT, "model": "gpt-4"}), 404, "gpt-4")
     assert_error(client.post("/v1/completions", content=b"x" * 70000), 413, "limit")
@@ -158,16 +199,6 @@ def test_other_refusals_and_the_server_still_serves(client):
     for model in ("tiny", "default", None):
         r = client.post("/v1/chat/completions", json={**CHAT, "model": model, "max_tokens": 2})
         assert r.status_code == 200, r.text
-
-
-def wait_idle(client: httpx.Client, timeout: float = 10.0) -> list[dict]:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        slots = client.get("/slots").json()
-        if not any(s["is_processing"] for s in slots):
-            return slots
-        time.sleep(0.05)
-    raise AssertionError(f"slots still busy after {timeout} s: {slots}")
 
 
 def test_disconnect_mid_stream_frees_the_slot(server, client):
@@ -180,6 +211,58 @@ def test_disconnect_mid_stream_frees_the_slot(server, client):
     wait_idle(client)
     r = client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 2})
     assert r.status_code == 200
+
+
+def counters(client: httpx.Client) -> dict[str, float]:
+    return {line.split()[0].removeprefix("tandem:"): float(line.split()[1])
+            for line in client.get("/metrics").text.splitlines() if line.startswith("tandem:") and "{" not in line}
+
+
+def test_metrics_count_a_request_whose_client_left_and_its_tokens(server, client):
+    before = counters(client)
+    body = {**CHAT, "max_tokens": 4000, "ignore_eos": True, "stream": True}
+    with server.client() as c, c.stream("POST", "/v1/chat/completions", json=body) as r:
+        events = sse_events(r)
+        for _ in range(6):  # the role chunk, then five chunks of at least one token each
+            next(events)
+    wait_idle(client)
+    after = counters(client)
+    assert after["requests_total"] == before["requests_total"] + 1
+    assert after["requests_cancelled_total"] == before["requests_cancelled_total"] + 1
+    assert after["tokens_predicted_total"] - before["tokens_predicted_total"] >= 5
+
+
+EXTREMES = [("temperature", 1e-300), ("top_p", 1e-300), ("repeat_penalty", 1e-300),
+            ("presence_penalty", -1e308), ("frequency_penalty", -1e308), ("logit_bias", {"15": 1e39})]
+
+
+def test_extreme_sampling_values_are_served_and_leave_a_concurrent_stream_untouched(server, client):
+    """The engine's sampling is total over every value validation admits: each extreme gets its
+    tokens, and a stream running beside them gets exactly the tokens it gets alone."""
+    body = {"prompt": "abc", "max_tokens": 256, "temperature": 0, "ignore_eos": True}
+    alone = client.post("/v1/completions", json=body).json()["choices"][0]["text"]
+    beside: list[dict] = []
+    started = threading.Event()
+
+    def stream():
+        with server.client() as c, c.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+            for event in sse_events(r):
+                beside.append(event)
+                started.set()
+
+    t = threading.Thread(target=stream)
+    t.start()
+    try:
+        assert started.wait(30)
+        for name, value in EXTREMES:
+            r = client.post("/v1/completions", json={"prompt": "hello", "max_tokens": 8, "ignore_eos": True,
+                                                     name: value})
+            assert r.status_code == 200, (name, r.text)
+            assert r.json()["usage"]["completion_tokens"] == 8, name
+    finally:
+        t.join(timeout=60)
+    assert beside[-1]["choices"][0]["finish_reason"] == "length" and beside[-1]["timings"]["predicted_n"] == 256
+    assert "".join(c["choices"][0]["text"] for c in beside) == alone
 
 
 def test_metrics_count_processing_and_deferred_and_answer_while_generating(server, client):

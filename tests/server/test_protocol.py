@@ -21,9 +21,10 @@ def test_error_shape_is_openais():
 
 def test_validation_problems_name_the_field_and_the_rule_one_line_each():
     with pytest.raises(ValidationError) as e:
-        ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], temperature=-1, top_k="many")
+        ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], max_tokens=0, top_k="many")
     assert validation_problems(e.value.errors()) == [
-        "temperature: must be >= 0", "top_k: Input should be a valid integer, unable to parse string as an integer"]
+        "max_tokens: Input should be greater than or equal to 1",
+        "top_k: Input should be a valid integer, unable to parse string as an integer"]
     with pytest.raises(ValidationError) as e:
         CompletionRequest()
     assert validation_problems(e.value.errors()) == ["prompt: field required"]
@@ -45,7 +46,7 @@ def test_validation_problems_word_malformed_json_and_unknown_keys():
 
 
 @pytest.mark.parametrize("extra,field", [
-    ({"temperature": float("nan")}, "temperature"), ({"top_p": 0}, "top_p"), ({"n": 3}, "n"),
+    ({"seed": 2**64}, "seed"), ({"logit_bias": [[1.7, 5]]}, "logit_bias"), ({"n": 3}, "n"),
     ({"tools": [{"type": "function"}]}, "tools"), ({"stop": ["a"] * 5}, "stop"),
     ({"response_format": {"type": "json_schema"}}, "response_format"),
 ])
@@ -61,6 +62,37 @@ def test_chat_limits_and_logprobs():
                               logit_bias={"5": -100})
     assert r.token_limit == 7 and r.n_logprobs == 3 and r.stop_strings == ["x"]
     assert r.bias_pairs() == [(5, -100.0)] and r.messages[0].text() == "hi"
+
+
+def test_sampling_ranges_are_left_to_the_engine():
+    """SamplingParams holds the ranges (the server turns its error into a 400); the wire model
+    checks types and shapes only."""
+    r = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], temperature=-1, top_p=0,
+                              repeat_penalty=0, presence_penalty=float("inf"))
+    assert (r.temperature, r.top_p, r.repeat_penalty) == (-1, 0, 0)
+
+
+@pytest.mark.parametrize("body,problem", [
+    ({"prompt": "a\ud800b"}, "prompt: not valid Unicode text (a lone surrogate at character 1)"),
+    ({"prompt": "a", "logit_bias": [[float("inf"), 5]]}, "logit_bias: token id inf is not an integer"),
+    ({"prompt": "a", "logit_bias": [[1.7, 5]]}, "logit_bias: token id 1.7 is not an integer"),
+    ({"prompt": "a", "logit_bias": [[1, 5, 6]]}, "logit_bias: each entry must be a [token id, bias] pair"),
+    ({"prompt": "a", "logit_bias": {"x": 1}}, "logit_bias: key 'x' is not a token id"),
+    ({"prompt": "a", "logit_bias": {"1": float("nan")}},
+     "logit_bias: bias nan must be a finite number (or -Infinity, a ban)"),
+    ({"prompt": "a", "seed": 2**64}, "seed: Input should be less than 18446744073709551616"),
+    ({"prompt": "a", "seed": -2**63 - 1}, "seed: Input should be greater than or equal to -9223372036854775808"),
+])
+def test_refusals_name_the_field(body, problem):
+    with pytest.raises(ValidationError) as e:
+        CompletionRequest.model_validate(body)
+    assert validation_problems(e.value.errors()) == [problem]
+
+
+def test_logit_bias_forms_give_integer_ids():
+    assert CompletionRequest(prompt="a", logit_bias=[[1.0, 5], [2, float("-inf")]]).bias_pairs() == \
+        [(1, 5.0), (2, float("-inf"))]
+    assert CompletionRequest(prompt="a", logit_bias={"7": -1}).bias_pairs() == [(7, -1.0)]
 
 
 def test_completion_prompt_forms():
