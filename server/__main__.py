@@ -13,6 +13,7 @@ import uvicorn
 from sse_starlette.sse import AppStatus
 
 from engine.errors import TandemError
+from engine.preflight import read_headers
 from server.app import create_app
 from server.cli import configs
 from server.flags import FlagError, help_text, parse_flags
@@ -66,6 +67,9 @@ def main(argv: list[str] | None = None) -> int:
             print(help_text())
             return 0
         engine_config, settings = configs(flags)
+        # Model, draft and compression checked from their headers before the server listens, so a
+        # bad one exits 2 here instead of failing the load thread later.
+        read_headers(engine_config)
     except (FlagError, TandemError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

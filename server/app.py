@@ -90,6 +90,8 @@ def create_app(state: ServerState, on_load_failure: Callable[[BaseException], No
                             "n_min": spec.n_min if spec else 0, "p_min": spec.p_min if spec else 0.0,
                             "draft_model": spec.draft_model if spec else None},
             "chat_template": engine.tokenizer.chat_template or "",
+            "compress_ratios": list(engine.model.config.layer_ratios),
+            "qsa_budget": engine.model.config.qsa_budget,
         }
 
     @app.get("/slots")

@@ -32,7 +32,9 @@ def llama_cpp_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_gguf(path, weight_type: gguf.GGMLQuantizationType, seed: int = 0) -> None:
+def write_gguf(path, weight_type: gguf.GGMLQuantizationType, seed: int = 0, compress_ratios: list[int] | None = None,
+               qsa_budget: int | None = None) -> None:
+    """compress_ratios, qsa_budget: tandem's own metadata keys, written when given."""
     hf = hf_config(CONFIG)
     writer = gguf.GGUFWriter(str(path), "llama")
     writer.add_context_length(MAX_POSITIONS)
@@ -48,6 +50,10 @@ def write_gguf(path, weight_type: gguf.GGMLQuantizationType, seed: int = 0) -> N
     writer.add_token_list([f"<t{i}>" for i in range(hf.vocab_size)])
     writer.add_bos_token_id(BOS_ID)
     writer.add_eos_token_id(EOS_ID)
+    if compress_ratios is not None:
+        writer.add_array("llama.attention.compress_ratios", compress_ratios)
+    if qsa_budget is not None:
+        writer.add_uint32("llama.attention.qsa_budget", qsa_budget)
     names = gguf_names(hf.num_hidden_layers)
     for name, tensor in random_tensors(tensor_shapes(hf), seed).items():
         w = tensor.numpy()
