@@ -82,7 +82,22 @@ def _specs(specs: Sequence[LayerSpec] | None, num_layers: int) -> list[LayerSpec
     return specs
 
 
-class KVCache:
+class _Stores:
+    """What both layouts hold per layer: K and V (floats or Q8Storage), and a QSA layer's kpool."""
+    k: list
+    v: list
+    kpool: list
+
+    @property
+    def nbytes(self) -> int:
+        return _nbytes(self.k + self.v)
+
+    @property
+    def kpool_nbytes(self) -> int:
+        return _nbytes(self.kpool)
+
+
+class KVCache(_Stores):
     """K and V for every layer, slot and position up to ctx_per_slot.
 
     Storage per layer is [slots, kv_heads, ctx, head_dim], so one slot's keys for one head are
@@ -102,14 +117,6 @@ class KVCache:
                       for spec in self.specs]
         self.num_slots = num_slots
         self.ctx_per_slot = ctx_per_slot
-
-    @property
-    def nbytes(self) -> int:
-        return _nbytes(self.k + self.v)
-
-    @property
-    def kpool_nbytes(self) -> int:
-        return _nbytes(self.kpool)
 
     @property
     def capacity(self) -> int:
@@ -201,7 +208,7 @@ class PagePool:
         return self.free.pop(0)
 
 
-class PagedKVCache:
+class PagedKVCache(_Stores):
     """One pool of positions shared by all slots (--kv-unified). Storage per layer is
     [kv_heads, pool positions, head_dim]; a slot's positions live in the pages it holds."""
 
@@ -226,14 +233,6 @@ class PagedKVCache:
         self.ctx_per_slot = num_pages * self.PAGE_SIZE  # any one slot may fill the whole pool
         self._index = [torch.empty(0, dtype=torch.long) for _ in range(num_slots)]  # position -> pool row
         self._base: list[int | None] = [None] * num_slots  # first pool row when the pages are contiguous
-
-    @property
-    def nbytes(self) -> int:
-        return _nbytes(self.k + self.v)
-
-    @property
-    def kpool_nbytes(self) -> int:
-        return _nbytes(self.kpool)
 
     @property
     def capacity(self) -> int:

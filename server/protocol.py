@@ -8,9 +8,9 @@ template) is checked by the server too, all before a slot is taken.
 from __future__ import annotations
 
 import math
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 MAX_STOP_STRINGS = 4
 # The validators below word their own refusals; these tell /openapi.json's readers (clients,
@@ -231,21 +231,23 @@ class ChatMessage(_Body):
         return "".join(pieces)
 
 
+def _non_empty(v: list) -> list:
+    if not v:
+        raise ValueError("must not be empty")
+    return v
+
+
+Messages = Annotated[list[ChatMessage], AfterValidator(_non_empty), Field(json_schema_extra=_NON_EMPTY)]
+
+
 class ChatCompletionRequest(SamplingFields):
-    messages: list[ChatMessage] = Field(json_schema_extra=_NON_EMPTY)
+    messages: Messages
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
     response_format: dict[str, Any] | None = None
-
-    @field_validator("messages")
-    @classmethod
-    def _messages(cls, v: list[ChatMessage]) -> list[ChatMessage]:
-        if not v:
-            raise ValueError("must not be empty")
-        return v
 
     @model_validator(mode="after")
     def _unsupported(self) -> "ChatCompletionRequest":
@@ -313,14 +315,7 @@ class DetokenizeRequest(_Body):
 
 
 class ApplyTemplateRequest(_Body):
-    messages: list[ChatMessage] = Field(json_schema_extra=_NON_EMPTY)
-
-    @field_validator("messages")
-    @classmethod
-    def _messages(cls, v: list[ChatMessage]) -> list[ChatMessage]:
-        if not v:
-            raise ValueError("must not be empty")
-        return v
+    messages: Messages
 
 
 # -- responses ---------------------------------------------------------------------------------

@@ -27,18 +27,24 @@ EVERY4 = CompressRatios.parse("every4:4")
 GREEDY = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
 
 
-@pytest.fixture(scope="module")
-def target(tmp_path_factory):
-    """An eight-layer tiny Llama and an untrained MTP draft for it (most of its drafts are rejected)."""
+def write_llama8_with_drafts(folder: Path) -> Path:
+    """An eight-layer tiny Llama in `folder`, with two untrained MTP drafts for it (most of their
+    drafts are rejected): draft.safetensors (a dense layer) and qsa-draft.safetensors (QSA r=4)."""
     config = {**json.loads((CONFIGS / "llama.json").read_text()), "num_hidden_layers": 8}
-    path = write_tiny_model(config, tmp_path_factory.mktemp("llama8"), seed=0)
+    path = write_tiny_model(config, folder, seed=0)
     files = open_model(path)
     tensors = files.load_tensors()
     fingerprint = mtp.target_fingerprint(files.config, tensors["model.embed_tokens.weight"])
-    dense_draft, qsa_draft = path / "draft.safetensors", path / "qsa-draft.safetensors"
-    draft = save_draft(dense_draft, files.config, tensors, fingerprint)
-    mtp.save(qsa_draft, draft, num_layers=1, fingerprint=fingerprint, target_name="tiny", compress_ratios=(4,))
-    return path, dense_draft, qsa_draft
+    draft = save_draft(path / "draft.safetensors", files.config, tensors, fingerprint)
+    mtp.save(path / "qsa-draft.safetensors", draft, num_layers=1, fingerprint=fingerprint, target_name="tiny",
+             compress_ratios=(4,))
+    return path
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    path = write_llama8_with_drafts(tmp_path_factory.mktemp("llama8"))
+    return path, path / "draft.safetensors", path / "qsa-draft.safetensors"
 
 
 PROMPTS = [[(7 * i + j) % 300 + 10 for j in range(30 + 9 * i)] for i in range(2)]  # 30 and 39 tokens, budget 8

@@ -4,18 +4,12 @@ known failure of this shape elsewhere was a crash at startup), serves, and specu
 lossless; a draft whose own layer is QSA serves too."""
 from __future__ import annotations
 
-import json
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
 
-from engine import mtp
-from engine.tiny import write_tiny_model
-from engine.weights import open_model
-from tests.engine.test_mtp import save_draft
+from tests.engine.test_qsa_engine import write_llama8_with_drafts
 
-ROOT = Path(__file__).resolve().parents[2]
 QSA = ["--compress-ratios", "every4:4", "--qsa-budget", "8", "-np", "2", "-c", "512"]
 PROMPTS = ["the tide comes in and the tide goes out, and the shore keeps every shell the tide leaves behind",
            "a lantern in the window of the harbour master's house, lit every night for forty years"]
@@ -23,15 +17,7 @@ PROMPTS = ["the tide comes in and the tide goes out, and the shore keeps every s
 
 @pytest.fixture(scope="module")
 def llama8(tmp_path_factory):
-    config = {**json.loads((ROOT / "configs/tiny/llama.json").read_text()), "num_hidden_layers": 8}
-    path = write_tiny_model(config, tmp_path_factory.mktemp("llama8"), seed=0)
-    files = open_model(path)
-    tensors = files.load_tensors()
-    fingerprint = mtp.target_fingerprint(files.config, tensors["model.embed_tokens.weight"])
-    draft = save_draft(path / "draft.safetensors", files.config, tensors, fingerprint)
-    mtp.save(path / "qsa-draft.safetensors", draft, num_layers=1, fingerprint=fingerprint, target_name="tiny",
-             compress_ratios=(4,))
-    return path
+    return write_llama8_with_drafts(tmp_path_factory.mktemp("llama8"))
 
 
 def complete_both(server) -> list[dict]:
