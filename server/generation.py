@@ -13,7 +13,7 @@ from engine.errors import ConfigError
 from engine.request import RequestTimes
 from engine.sampling import SamplingParams
 from engine.tokenizer import IncrementalDecoder
-from server.protocol import APIError, SamplingFields, Timings
+from server.protocol import APIError, FinishReason, SamplingFields, Timings
 from server.state import ServerState
 from server.stop import StopMatcher
 
@@ -50,7 +50,7 @@ class Piece:
 
 @dataclass
 class Final:
-    finish_reason: str
+    finish_reason: FinishReason
     usage: dict
     timings: dict
 

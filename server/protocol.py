@@ -363,5 +363,8 @@ class Timings(BaseModel):
                    recomputed_n=t.recomputed_n or None)
 
 
-# "timeout": the request ran past the server's --timeout and was ended there.
+# Why a response ended. "stop": end of text or a stop string or token; "length": max_tokens or the
+# slot's context; "cancelled": the client left; "error": the request failed (alone: others go on);
+# "timeout": the request ran past the server's --timeout and was ended there. A request preempted
+# for want of KV room is resumed, never ended early.
 FinishReason = Literal["stop", "length", "cancelled", "error", "timeout"]
