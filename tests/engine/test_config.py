@@ -207,3 +207,13 @@ def test_shape_error_needs_no_tensor_data(tiny_dirs, tmp_path):
     path = copy_with(tiny_dirs["llama"], tmp_path / "m")
     write_header_only(path, {**shapes_of(path), "model.norm.weight": [65]})
     assert open_error(path, WeightsError) == "tensor model.norm.weight: expected shape [64], found [65]"
+
+
+def test_a_ratio_list_may_give_the_draft_layers_after_the_trunks(tiny_dirs):
+    from engine.config import with_compression
+    from engine.options import CompressRatios
+    config = open_model(tiny_dirs["llama"]).config  # three trunk layers
+    target, draft = with_compression(config, CompressRatios.parse("0,4,0,4"), 8, draft_ratios=(0,))
+    assert (target.layer_ratios, draft, target.qsa_budget) == ((0, 4, 0), (4,), 8)
+    target, draft = with_compression(config, CompressRatios.parse("every2:4"), 8, draft_ratios=(0,))
+    assert (target.layer_ratios, draft) == ((0, 4, 0), (0,))  # a pattern covers the trunk alone
