@@ -111,6 +111,7 @@ def create_app(state: ServerState, on_load_failure: Callable[[BaseException], No
         infos = engine.slots_info()
         cached = [i.n_cached for i in infos]
         gauges = EngineGauges(steps=engine.stats.steps, busy_slots=engine.stats.busy_slots,
+                              preemptions=engine.stats.preemptions,
                               processing=sum(i.is_processing for i in infos), deferred=engine.num_waiting,
                               kv_tokens=sum(cached), kv_capacity=engine.cache.capacity, n_tokens_max=max(cached),
                               drafted_at=list(engine.stats.drafted_at), accepted_at=list(engine.stats.accepted_at))

@@ -45,6 +45,7 @@ class EngineGauges:
     """What /metrics reads from the engine at render time."""
     steps: int
     busy_slots: int
+    preemptions: int
     processing: int
     deferred: int
     kv_tokens: int
@@ -91,6 +92,8 @@ class Metrics:
             ("tokens_predicted_seconds_total", self.predicted_seconds, "Predict process time."),
             ("prompt_tokens_cached_total", self.cached_tokens, "Number of prompt tokens reused from a slot."),
             ("n_decode_total", g.steps, "Total number of engine steps (forward passes)."),
+            ("preemptions_total", g.preemptions,
+             "Number of times a request was paused for want of KV room, to resume later."),
             ("requests_total", self.requests_total, "Number of requests ended, cancelled ones included."),
             ("requests_cancelled_total", self.requests_cancelled,
              "Number of requests whose client left before they finished (counted in requests_total too)."),

@@ -15,6 +15,7 @@ def test_exhausted_pool_pauses_the_youngest_and_every_request_gets_all_its_token
             alone = c.post("/v1/completions", json=BODY).json()
             results = [r.json() for r in pool.map(lambda body: c.post("/v1/completions", json=body), [BODY, BODY])]
             again = c.post("/v1/completions", json={**BODY, "max_tokens": 20})
+            metrics = c.get("/metrics").text
         for r in results:  # 2 x (11 + 200) positions do not fit in 256
             assert r["choices"][0]["finish_reason"] == "length" and r["usage"]["completion_tokens"] == 200
             assert r["choices"][0]["text"] == alone["choices"][0]["text"]
@@ -22,5 +23,7 @@ def test_exhausted_pool_pauses_the_youngest_and_every_request_gets_all_its_token
         recomputed = sorted(r["timings"].get("recomputed_n", 0) for r in results)
         assert recomputed[0] == 0 < recomputed[1] and "recomputed_n" not in alone["timings"]
         assert again.status_code == 200 and again.json()["usage"]["completion_tokens"] == 20
+        preempted = [line for line in metrics.splitlines() if line.startswith("tandem:preemptions_total ")]
+        assert preempted and int(preempted[0].split()[1]) > 0
     finally:
         server.kill()
