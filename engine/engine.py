@@ -21,7 +21,7 @@ from engine.errors import ConfigError, check_rules
 from engine.kv_cache import KV_DTYPES, KVCache, PagedKVCache
 from engine.model import Transformer
 from engine.options import CompressRatios
-from engine.preflight import describe_cache, read_headers
+from engine.preflight import Headers, describe_cache, read_headers
 from engine.quant import DTYPES
 from engine.request import Draft, Request, Status, StepOutput
 from engine.sampling import SamplingParams, choose, logprob_entry, make_generator
@@ -133,10 +133,13 @@ class Engine:
     stats: EngineStats = field(default_factory=EngineStats)
 
     @classmethod
-    def load(cls, config: EngineConfig) -> "Engine":
+    def load(cls, config: EngineConfig, headers: Headers | None = None) -> "Engine":
+        """headers: `read_headers(config)` when the caller has already checked them (the server
+        does before it listens; reading a GGUF file's headers takes seconds)."""
         if config.threads:
             torch.set_num_threads(config.threads)
-        headers = read_headers(config)  # every config error is raised here, before weights are read
+        if headers is None:
+            headers = read_headers(config)  # every config error is raised here, before weights are read
         files, mc = headers.files, headers.model
         if config.ctx_per_slot > mc.max_position_embeddings:
             log.warning("ctx per slot %d exceeds the model's trained context %d",

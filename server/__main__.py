@@ -69,14 +69,14 @@ def main(argv: list[str] | None = None) -> int:
         engine_config, settings = configs(flags)
         # Model, draft and compression checked from their headers before the server listens, so a
         # bad one exits 2 here instead of failing the load thread later.
-        read_headers(engine_config)
+        headers = read_headers(engine_config)
     except (FlagError, TandemError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     setup_logging(flags.log_level, flags.log_format)
     # Streams end when their request does, not when the signal arrives (see DrainingServer).
     AppStatus.disable_automatic_graceful_drain()
-    state = ServerState(settings, EngineRunner(engine_config))
+    state = ServerState(settings, EngineRunner(engine_config, headers))
     holder: list[DrainingServer] = []
     app = create_app(state, on_load_failure=lambda e: holder[0].fail(e))
     config = uvicorn.Config(app, host=settings.host, port=settings.port, timeout_graceful_shutdown=5, lifespan="on",

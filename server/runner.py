@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass, field
 
 from engine.engine import Engine, EngineConfig
+from engine.preflight import Headers
 from engine.request import Request, StepOutput
 from engine.sampling import SamplingParams
 
@@ -44,8 +45,8 @@ class EngineRunner:
     """Loads the engine off the event loop, then submits requests to it; counts in-flight streams
     so that a graceful shutdown can wait for them."""
 
-    def __init__(self, config: EngineConfig):
-        self.config = config
+    def __init__(self, config: EngineConfig, headers: Headers | None = None):
+        self.config, self.headers = config, headers
         self.engine: Engine | None = None
         self.load_error: BaseException | None = None
         self.in_flight = 0
@@ -58,7 +59,7 @@ class EngineRunner:
     def load_in_background(self, loop: asyncio.AbstractEventLoop, on_failure) -> threading.Thread:
         def load() -> None:
             try:
-                engine = Engine.load(self.config)
+                engine = Engine.load(self.config, self.headers)
                 engine.start()
                 self.engine = engine
                 log.info("model loaded; serving")
