@@ -164,7 +164,8 @@ class KVCache(_Stores):
         self.k[layer][slots, :, positions] = k
         self.v[layer][slots, :, positions] = v
         if self.kpool[layer] is not None:
-            for slot, position in zip(slots.tolist(), positions.tolist()):
+            ends = (positions + 1) % self.specs[layer].ratio == 0  # rows that complete a block
+            for slot, position in zip(slots[ends].tolist(), positions[ends].tolist()):
                 self._pool_blocks(layer, slot, position, position + 1)
 
 
