@@ -91,11 +91,15 @@ class Request:
     def prompt_n(self) -> int:
         return len(self.prompt_ids) - self.cache_n
 
-    def timings(self) -> RequestTimes:
-        end = self.t_finished or time.perf_counter()
+    def timings(self, end: float | None = None, predicted_n: int | None = None) -> RequestTimes:
+        """As the engine finished it, or as a caller that ended it early (a stop string, a time
+        limit, a client gone) saw it: at `end`, with `predicted_n` of its tokens delivered."""
+        end = end or self.t_finished or time.perf_counter()
         first = self.t_first_token or end
         return RequestTimes(
-            cache_n=self.cache_n, prompt_n=self.prompt_n, prompt_ms=1000.0 * (first - self.t_started),
-            predicted_n=len(self.output_ids), predicted_ms=1000.0 * (end - first),
+            cache_n=self.cache_n, prompt_n=self.prompt_n,
+            prompt_ms=1000.0 * (first - self.t_started) if self.t_started else 0.0,
+            predicted_n=len(self.output_ids) if predicted_n is None else predicted_n,
+            predicted_ms=1000.0 * (end - first),
             draft_n=self.draft_n, draft_n_accepted=self.draft_n_accepted, recomputed_n=self.recomputed_n,
         )

@@ -10,7 +10,6 @@ from dataclasses import dataclass
 from typing import AsyncIterator
 
 from engine.errors import ConfigError
-from engine.request import RequestTimes
 from engine.sampling import SamplingParams
 from engine.tokenizer import IncrementalDecoder
 from server.protocol import APIError, FinishReason, SamplingFields, Timings
@@ -161,12 +160,8 @@ def _decoder_rest(decoder: IncrementalDecoder) -> str:
 
 
 def _timings(req, n_tokens: int, stopped_at: float | None) -> dict:
-    if stopped_at is None:  # the engine finished the request: its own record is complete
-        t = req.timings()
-    else:  # ended here (stop string, time limit, client gone), while the engine may hold a token more
-        first = req.t_first_token or stopped_at
-        t = RequestTimes(req.cache_n, req.prompt_n, 1000.0 * ((first - req.t_started) if req.t_started else 0.0),
-                         n_tokens, 1000.0 * (stopped_at - first), req.draft_n, req.draft_n_accepted)
+    # Ended here (stop string, time limit, client gone), the engine may hold a token more than was sent.
+    t = req.timings() if stopped_at is None else req.timings(stopped_at, n_tokens)
     return Timings.of(t).model_dump(exclude_none=True)
 
 
