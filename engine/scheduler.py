@@ -115,12 +115,15 @@ class Scheduler:
         """Reserve the pool for the request's length plus a full draft, evicting idle slots'
         prefixes if need be (a resumed request must not be preempted again at once)."""
         length = min(len(request.all_ids) + self.draft_max, self.ctx_per_slot)
-        if self.kv.ensure(slot.id, length):
-            return True
-        for idle in self.slots:
-            if idle.request is None and idle is not slot:
-                self._trim(idle, 0)
-        return self.kv.ensure(slot.id, length)
+        return self.kv.ensure(slot.id, length) or (self._evict_idle(keep=slot) and self.kv.ensure(slot.id, length))
+
+    def _evict_idle(self, keep: Slot | None = None) -> bool:
+        """Empty idle slots' cached prefixes (all but `keep`'s) so a shared pool gets their room;
+        whether any held one."""
+        idle = [s for s in self.slots if s.request is None and s.cached_ids and s is not keep]
+        for slot in idle:
+            self._trim(slot, 0)
+        return bool(idle)
 
     def plan(self, now: float) -> StepPlan:
         """Rows of the next forward: one decode token for every generating request, then prompt
@@ -155,10 +158,7 @@ class Scheduler:
         preempted. Each request fits the pool alone (the server checks prompt plus max_tokens), so
         the oldest always makes progress."""
         while not self.kv.ensure(req.slot, length):
-            idle = [s for s in self.slots if s.request is None and s.cached_ids]
-            if idle:
-                for slot in idle:
-                    self._trim(slot, 0)
+            if self._evict_idle():
                 continue
             victim = max(self.running, key=lambda r: (r.t_started, r.t_submitted))
             plan.preempted.append(victim)
