@@ -10,26 +10,41 @@ lookup; llama.cpp through llama-cpp-python on the same GGUF file, when that pack
 (`pip install llama-cpp-python`: it compiles llama.cpp, which takes minutes). The workload and the
 timing are those of bench.formats. It also measures the machine's memory bandwidth and prints the
 TG ceiling it allows at batch 1, where every weight is read once per token.
+
+    python -m bench.compare --http [--dtype f32 int8] [--runs 3] [--tg 128] [--lanes 1] [--temperature 0]
+                            [--prompts configs/prompts/open-chat.json]
+
+--http: the servers instead, as a user meets them (bench/served.py): for each dtype, tandem's
+server plain and with the MTP draft, and llama.cpp's server on the same GGUF file; every run sends
+each prompt of the file (chat prompts on tasks the draft never saw, chat-templated once and sent as
+the same text to all) to each server in turn, up to --tg tokens or the end of text. A run's TG is
+its tokens over its generating time; the table gives medians over runs, ratios to each system's
+plain twin and to llama.cpp's server, and accepted/drafted tokens.
 """
 from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import torch
 
+from bench import served
 from bench.formats import TandemSystem, TransformersSystem, add_workload_flags, run, table, tokens_per_second, workload
 from engine.config import num_param_bytes
 from engine.drafter import SpecConfig
 from engine.quant import BYTES_PER_WEIGHT, DTYPES
+from engine.tokenizer import Tokenizer
 from engine.weights import open_model
 
 DEFAULT_DRAFT = Path(__file__).parents[1] / "configs/drafts/smollm2-135m-mtp.safetensors"
 LLAMA_CPP = "llama.cpp"
+OPEN_CHAT = Path(__file__).parents[1] / "configs/prompts/open-chat.json"
 
 
 class LlamaCppSystem:
@@ -73,24 +88,32 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.compare", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_workload_flags(p, heldout=5)
-    p.add_argument("--dtype", choices=DTYPES, default="f32", help="tandem's weight format")
+    p.add_argument("--dtype", nargs="+", choices=DTYPES, default=["f32"], help="tandem's weight formats")
     p.add_argument("-md", "--spec-draft-model", help="MTP draft (default: the committed draft, for the default model)")
     p.add_argument("--spec-draft-n-max", type=int, default=3)
     p.add_argument("--spec-draft-p-min", type=float, default=0.5, help="the MTP draft's confidence floor")
+    p.add_argument("--http", action="store_true", help="compare the servers over HTTP (see above)")
+    p.add_argument("--prompts", type=Path, default=OPEN_CHAT, help="--http: a JSON file with a 'prompts' list")
+    p.add_argument("--lanes", type=int, default=1, help="--http: requests at once (and slots per tandem server)")
+    p.add_argument("--temperature", type=float, default=0.0, help="--http: sampling temperature")
     args = p.parse_args(argv)
+    if args.http:
+        return http_main(args)
     if args.threads:
         torch.set_num_threads(args.threads)
     threads = torch.get_num_threads()
     files = open_model(args.model)
     draft = args.spec_draft_model or (str(DEFAULT_DRAFT) if args.model == "default" else None)
     pp_ids, prompts, ctx = workload(args)
-    systems = [TandemSystem(args.model, args.dtype, ctx)]
-    if draft:
-        systems.append(TandemSystem(args.model, args.dtype, ctx,
-                                    SpecConfig(type="draft-mtp", draft_model=draft, n_max=args.spec_draft_n_max,
-                                               p_min=args.spec_draft_p_min)))
-    systems.append(TandemSystem(args.model, args.dtype, ctx, SpecConfig(type="ngram-simple", n_max=args.spec_draft_n_max,
-                                                                       p_min=0.0)))
+    systems = []
+    for dtype in args.dtype:
+        systems.append(TandemSystem(args.model, dtype, ctx))
+        if draft:
+            systems.append(TandemSystem(args.model, dtype, ctx,
+                                        SpecConfig(type="draft-mtp", draft_model=draft, n_max=args.spec_draft_n_max,
+                                                   p_min=args.spec_draft_p_min)))
+        systems.append(TandemSystem(args.model, dtype, ctx, SpecConfig(type="ngram-simple", n_max=args.spec_draft_n_max,
+                                                                      p_min=0.0)))
     hf = TransformersSystem(args.model)
     systems += [hf, TransformersSystem(args.model, f"{hf.name} + prompt lookup", hf.model,
                                        prompt_lookup_num_tokens=args.spec_draft_n_max)]
@@ -101,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         systems.append(LlamaCppSystem(files.path, ctx, threads))
     bandwidth = memory_bandwidth()
-    print(f"model {args.model} ({files.path.name}), tandem {args.dtype}, PP {args.pp} tokens, TG {args.tg} tokens "
+    print(f"model {args.model} ({files.path.name}), tandem {' '.join(args.dtype)}, PP {args.pp} tokens, TG {args.tg} tokens "
           f"at batch 1, greedy, {threads} threads, {args.runs} runs", flush=True)
     results = run(systems, pp_ids, prompts, args.tg, args.runs, log=lambda line: print(line, flush=True))
     print("\nmedians:\n" + table(results, [TransformersSystem.NAME, LLAMA_CPP]))
@@ -114,6 +137,68 @@ def main(argv: list[str] | None = None) -> int:
     for name, length in lengths.items():
         print(f"{name}: {length:.2f} tokens per verify step (median over runs)")
     return 0
+
+
+def http_main(args: argparse.Namespace) -> int:
+    files = open_model(args.model)
+    if files.path.suffix != ".gguf":
+        print(f"--http compares with llama.cpp's server, which needs a GGUF file; {files.path} is not one")
+        return 2
+    if importlib.util.find_spec("llama_cpp") is None:
+        print('--http needs llama.cpp\'s server: pip install "llama-cpp-python[server]" (it compiles for minutes)')
+        return 2
+    threads = args.threads or torch.get_num_threads()
+    tokenizer = Tokenizer.load(files)
+    messages = json.loads(args.prompts.read_text())["prompts"]
+    texts = [tokenizer.apply_chat_template([{"role": "user", "content": m}]) for m in messages]
+    ctx = max(len(tokenizer.encode(t)) for t in texts) + args.tg + 1
+    draft = args.spec_draft_model or (str(DEFAULT_DRAFT) if args.model == "default" else None)
+    spec = ["--spec-type", "draft-mtp", "-md", str(draft), "--spec-draft-n-max", str(args.spec_draft_n_max),
+            "--spec-draft-p-min", str(args.spec_draft_p_min)] if draft else None
+    with tempfile.TemporaryDirectory(prefix="bench-http-") as tmp:
+        logs = Path(tmp)
+        systems = []
+        for dtype in args.dtype:
+            base = ["-m", args.model, "--dtype", dtype, "-c", str(ctx * args.lanes), "-np", str(args.lanes)]
+            systems.append(served.TandemServer(f"tandem {dtype}", base, threads, logs))
+            if spec:
+                systems.append(served.TandemServer(f"tandem {dtype} + draft-mtp", base + spec, threads, logs))
+        systems.append(served.LlamaCppServer(files.path, ctx, args.lanes, threads, logs))
+        try:
+            for s in systems:
+                s.start()
+            print(f"model {args.model} ({files.path.name}), {len(texts)} prompts from {args.prompts.name}, up to "
+                  f"{args.tg} tokens, temperature {args.temperature:g}, {args.lanes} lane(s), {threads} threads, "
+                  f"{args.runs} runs", flush=True)
+            for s in systems:  # warm-up
+                served.measure(s, texts[:args.lanes], 8, args.temperature, args.lanes, seed=0)
+            series = [served.Series(s.name) for s in systems]
+            for i in range(args.runs):
+                for s, r in zip(systems, series):
+                    sample = served.measure(s, texts, args.tg, args.temperature, args.lanes, seed=i)
+                    r.tg.append(sample.tg)
+                    r.drafted += sample.drafted
+                    r.accepted += sample.accepted
+                    print(f"run {i + 1}/{args.runs} {s.name:28s} TG {sample.tg:6.1f} tok/s ({sample.tokens} tokens)",
+                          flush=True)
+        finally:
+            for s in systems:
+                s.stop()
+    print("\nmedians:\n" + served_table(series))
+    return 0
+
+
+def served_table(series: list["served.Series"]) -> str:
+    by_name = {r.system: r for r in series}
+    llama = by_name.get(served.LlamaCppServer.NAME)
+    lines = [f"{'system':28s} {'TG tok/s':>9s} {'/plain':>7s} {'/llama.cpp':>10s} {'accepted/drafted':>17s}"]
+    for r in series:
+        plain = by_name.get(r.system.split(" + ")[0])
+        own = f"{r.tg_median / plain.tg_median:6.2f}x" if plain is not r and plain else f"{'':7s}"
+        vs = f"{r.tg_median / llama.tg_median:9.2f}x" if llama else f"{'-':>10s}"
+        rate = f"{r.accepted}/{r.drafted} = {r.accepted / r.drafted:.2f}" if r.drafted else ""
+        lines.append(f"{r.system:28s} {r.tg_median:9.1f} {own} {vs} {rate:>17s}")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

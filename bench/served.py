@@ -1,0 +1,166 @@
+"""Servers compared over HTTP, as a user meets them: tandem's `python -m server` and llama.cpp's
+server (llama-cpp-python's `python -m llama_cpp.server`), each a real process on a free loopback
+port, sent the same prompt text on /v1/completions and timed from its streamed chunks.
+
+TG of one request: (tokens - 1) / (arrival of the last chunk - arrival of the first), so the prompt
+is not in it; `lanes` requests at once give the aggregate TG of that many slots. The token count is
+the server's own: tandem's `timings.predicted_n` (a chunk may carry several accepted tokens),
+llama.cpp's one token per chunk before the finishing one (checked against its non-streamed usage when it starts).
+"""
+from __future__ import annotations
+
+import statistics
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from bench.processes import LOAD_TIMEOUT, ServerProcess, free_port, sse_events
+
+
+@dataclass
+class Sample:
+    tokens: int  # generated tokens, all lanes
+    seconds: float  # first chunk to last, summed over lanes
+    drafted: int = 0
+    accepted: int = 0
+
+    @property
+    def tg(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+@dataclass
+class Series:
+    system: str
+    tg: list[float] = field(default_factory=list)  # one per run: TG over all the run's prompts
+    drafted: int = 0
+    accepted: int = 0
+
+    @property
+    def tg_median(self) -> float:
+        return statistics.median(self.tg)
+
+
+class TandemServer:
+    def __init__(self, name: str, args: list[str], threads: int, log_dir: Path):
+        self.name = name
+        self.process = ServerProcess([*args, "-t", str(threads)], log_dir / f"{name.replace(' ', '_')}.log")
+
+    def start(self) -> None:
+        self.process.wait_ready()
+        self.url = self.process.url
+
+    def body(self, text: str, max_tokens: int, temperature: float, seed: int) -> dict:
+        return {"prompt": text, "max_tokens": max_tokens, "temperature": temperature, "seed": seed, "stream": True}
+
+    def count(self, chunks: list[dict]) -> tuple[int, int, int]:
+        """(tokens, drafted, accepted) of one finished stream."""
+        t = chunks[-1].get("timings") or {}
+        return t.get("predicted_n", 0), t.get("draft_n", 0), t.get("draft_n_accepted", 0)
+
+    def stop(self) -> None:
+        self.process.terminate()
+        try:
+            self.process.proc.wait(timeout=30)
+        finally:
+            self.process.kill()
+
+
+class LlamaCppServer:
+    """llama-cpp-python's OpenAI-style server on the same GGUF file (`pip install
+    "llama-cpp-python[server]"`: it compiles llama.cpp natively, which takes minutes)."""
+
+    NAME = "llama.cpp server"
+
+    def __init__(self, gguf: Path, ctx: int, parallel: int, threads: int, log_dir: Path):
+        self.name = self.NAME
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = open(log_dir / "llama_cpp.log", "w")
+        # llama-cpp-python serves one request at a time per model: lanes beyond one queue there.
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--host", "127.0.0.1",
+             "--port", str(self.port), "--n_ctx", str(ctx * parallel), "--n_threads", str(threads),
+             "--n_threads_batch", str(threads), "--n_batch", "512", "--verbose", "False"],
+            stdout=self.log, stderr=subprocess.STDOUT)
+
+    def start(self) -> None:
+        deadline = time.monotonic() + LOAD_TIMEOUT
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"llama.cpp server exited with {self.proc.returncode}: see {self.log.name}")
+            try:
+                if httpx.get(self.url + "/v1/models", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"llama.cpp server not ready after {LOAD_TIMEOUT} s: see {self.log.name}")
+            time.sleep(0.3)
+        self._check_one_token_per_chunk()
+
+    def body(self, text: str, max_tokens: int, temperature: float, seed: int) -> dict:
+        # Greedy as tandem's temperature 0: top-k 1, no other filter.
+        extra = {"top_k": 1, "top_p": 1.0, "min_p": 0.0} if temperature == 0 else {"top_k": 0, "top_p": 1.0, "min_p": 0.0}
+        return {"prompt": text, "max_tokens": max_tokens, "temperature": temperature, "seed": seed, "stream": True,
+                "repeat_penalty": 1.0, **extra}
+
+    def count(self, chunks: list[dict]) -> tuple[int, int, int]:
+        # One chunk per token, then one with the finish reason and no token.
+        return sum(c["choices"][0].get("finish_reason") is None for c in chunks), 0, 0
+
+    def _check_one_token_per_chunk(self) -> None:
+        body = self.body("The capital of France is", 16, 0.0, 0)
+        with httpx.Client(base_url=self.url, timeout=120) as http:
+            with http.stream("POST", "/v1/completions", json=body) as r:
+                chunks = [c for c in sse_events(r) if c.get("choices")]
+            usage = http.post("/v1/completions", json={**body, "stream": False}).json()["usage"]
+        counted = self.count(chunks)[0]
+        if counted != usage["completion_tokens"]:
+            raise RuntimeError(f"llama.cpp streamed {counted} token chunks for {usage['completion_tokens']} tokens: "
+                               "its chunks cannot count tokens")
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(timeout=30)
+        self.log.close()
+
+
+def one_stream(server, text: str, max_tokens: int, temperature: float, seed: int) -> tuple[float, float, tuple]:
+    """(arrival of the first chunk, of the last, the server's (tokens, drafted, accepted))."""
+    stamps, chunks = [], []
+    with httpx.Client(base_url=server.url, timeout=600) as http:
+        with http.stream("POST", "/v1/completions", json=server.body(text, max_tokens, temperature, seed)) as r:
+            if r.status_code != 200:
+                r.read()
+                raise RuntimeError(f"{server.name}: HTTP {r.status_code}: {r.text[:300]}")
+            for chunk in sse_events(r):
+                if chunk.get("choices"):
+                    stamps.append(time.perf_counter())
+                    chunks.append(chunk)
+    return stamps[0], stamps[-1], server.count(chunks)
+
+
+def measure(server, texts: list[str], max_tokens: int, temperature: float, lanes: int, seed: int) -> Sample:
+    """Each text once, `lanes` streams at a time. A group's TG: its tokens after each stream's first
+    (which comes out of the prefill) over the time from the first stream's first chunk to the last
+    stream's last; with one lane, TG at batch 1."""
+    total = Sample(0, 0.0)
+    with ThreadPoolExecutor(lanes) as pool:
+        for i in range(0, len(texts), lanes):
+            runs = list(pool.map(lambda t: one_stream(server, t, max_tokens, temperature, seed), texts[i:i + lanes]))
+            total.seconds += max(last for _, last, _ in runs) - min(first for first, _, _ in runs)
+            for _, _, (tokens, drafted, accepted) in runs:
+                total.tokens += max(tokens - 1, 0)
+                total.drafted += drafted
+                total.accepted += accepted
+    return total

@@ -1,0 +1,51 @@
+"""bench.compare --http's measurement (bench/served.py): a real tandem server process, timed from
+its stream, counted by the server's own token counts; the table's ratios."""
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from bench import served
+from bench.compare import served_table
+from engine.tiny import write_tiny_model
+from tests.server.helpers import ROOT
+
+TEXTS = ["The river", "A list of three colours:", "Once upon a time"]
+
+
+@pytest.fixture(scope="module")
+def tandem(tmp_path_factory):
+    config = json.loads((ROOT / "configs/tiny/llama.json").read_text())
+    model = write_tiny_model(config, tmp_path_factory.mktemp("tiny-served"), seed=0)
+    server = served.TandemServer("tandem f32", ["-m", str(model), "-np", "2", "-c", "512"], 1,
+                                 tmp_path_factory.mktemp("served-logs"))
+    try:
+        server.start()
+        yield server
+    finally:
+        server.stop()
+
+
+def _completion_tokens(server, text: str, n: int) -> int:
+    body = {**server.body(text, n, 0.0, 0), "stream": False}
+    return httpx.post(server.url + "/v1/completions", json=body, timeout=60).json()["usage"]["completion_tokens"]
+
+
+@pytest.mark.parametrize("lanes", [1, 2])
+def test_measure_counts_the_tokens_after_each_streams_first(tandem, lanes):
+    sample = served.measure(tandem, TEXTS, 12, 0.0, lanes, seed=0)
+    assert sample.tokens == sum(_completion_tokens(tandem, t, 12) - 1 for t in TEXTS)
+    assert sample.seconds > 0 and sample.tg > 0
+    assert (sample.drafted, sample.accepted) == (0, 0)  # no drafter on this server
+
+
+def test_table_gives_each_drafted_system_against_its_plain_twin_and_llama_cpp():
+    rows = [served.Series("tandem int8", [100.0, 110.0, 90.0]),
+            served.Series("tandem int8 + draft-mtp", [150.0, 160.0, 140.0], drafted=200, accepted=150),
+            served.Series(served.LlamaCppServer.NAME, [120.0, 80.0, 100.0])]
+    lines = served_table(rows).splitlines()
+    assert lines[1].split() == ["tandem", "int8", "100.0", "1.00x"]
+    assert lines[2].split() == ["tandem", "int8", "+", "draft-mtp", "150.0", "1.50x", "1.50x", "150/200", "=", "0.75"]
+    assert lines[3].split() == ["llama.cpp", "server", "100.0", "1.00x"]
