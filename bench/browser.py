@@ -11,6 +11,10 @@ from typing import Iterator
 
 from selenium import webdriver
 from selenium.webdriver.chrome.service import Service
+from selenium.webdriver.common.by import By
+from selenium.webdriver.common.keys import Keys
+
+from bench.processes import wait_until
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMEDRIVER = Path("/usr/bin/chromedriver")
@@ -35,3 +39,25 @@ def chromium(width: int = 1280, height: int = 860) -> Iterator[webdriver.Chrome]
     finally:
         driver.quit()
         shutil.rmtree(profile, ignore_errors=True)
+
+
+def found(driver: webdriver.Chrome, css: str) -> list:
+    """The elements matching `css` now (none is not an error: callers poll)."""
+    return driver.find_elements(By.CSS_SELECTOR, css)
+
+
+def give_key_if_asked(driver: webdriver.Chrome, key: str, timeout: float = 10) -> None:
+    """Answers the page's API key form, once it shows (a page asks when a call is refused)."""
+    wait_until(lambda: found(driver, "#key-form:not([hidden])"), timeout, "the API key form")
+    driver.find_element(By.ID, "api-key").send_keys(key, Keys.ENTER)
+
+
+def send_chat(driver: webdriver.Chrome, text: str, temperature: float, max_tokens: int) -> None:
+    """Sends `text` from the chat page with these settings; the answer streams into the last
+    `.message.assistant`, whose `.timings` line appears when it ends."""
+    for field, value in (("temperature", temperature), ("max-tokens", max_tokens)):
+        box = driver.find_element(By.ID, field)
+        box.clear()
+        box.send_keys(str(value))
+    driver.find_element(By.ID, "prompt").send_keys(text)
+    driver.find_element(By.ID, "send").click()
