@@ -2,7 +2,7 @@
 loads and unloads a model with its buttons and shows the jobs, their durations and a failed load's
 reason; the chat page on the proxy's port picks a model and shows its output as text, however much
 it looks like markup; the chart's /activity holds what the servers reported. The servers are
-tests/proxy/fake_server.py: they start at once and answer a script."""
+tests/proxy/fake_server.py: they start at once and answer a script, or never get ready."""
 from __future__ import annotations
 
 import re
@@ -23,7 +23,8 @@ REPLY = "<script>window.injected = 1</script> <b>bold</b> <img src=x onerror=win
 @pytest.fixture(scope="module")
 def proxy(make_proxy):
     p = make_proxy({"fake": fake_profile("serve"), "broken": fake_profile("killed"),
-                    "echo": fake_profile("serve", env={"FAKE_REPLY": REPLY}, autoload=True)}, api_key=KEY)
+                    "echo": fake_profile("serve", env={"FAKE_REPLY": REPLY}, autoload=True),
+                    "slow": fake_profile("slow", autoload=True)}, api_key=KEY)
     p.client.headers["authorization"] = f"Bearer {KEY}"
     return p
 
@@ -118,3 +119,16 @@ def test_the_proxys_chat_page_shows_model_output_as_text_and_the_chart_counts_it
     open_page(browser, proxy.url + "/ui", "#chart[data-requests]")
     assert int(browser.find_element(By.ID, "chart").get_attribute("data-requests")) == len(
         proxy.client.get("/activity").json())
+
+
+def test_the_chat_page_cancels_a_load_in_progress_and_says_why_the_request_ended(proxy, browser):
+    open_page(browser, proxy.url + "/", '#model option[value="slow"]')
+    Select(browser.find_element(By.ID, "model")).select_by_value("slow")
+    send_chat(browser, "hi", temperature=0.5, max_tokens=16)
+    wait_until(lambda: browser.find_element(By.ID, "model-status").text == "loading", 10, "the autoload to start")
+    browser.find_element(By.ID, "cancel-load").click()
+    wait_until(lambda: found(browser, "#error:not([hidden])"), 30, "the waiting request's error")
+    [load] = [j for j in proxy.client.get("/jobs", params={"model": "slow"}).json() if j["type"] == "load"]
+    assert load["status"] == "cancelled" and load["id"] in browser.find_element(By.ID, "error").text
+    wait_until(lambda: browser.find_element(By.ID, "model-status").text == "unloaded", 10, "the model to unload")
+    assert not browser.find_element(By.ID, "cancel-load").is_displayed()
