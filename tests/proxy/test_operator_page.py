@@ -1,8 +1,9 @@
 """The proxy's pages in a headless Chromium, with the proxy's API key set: the operator page (`/ui`)
 loads and unloads a model with its buttons and shows the jobs, their durations and a failed load's
-reason; the chat page on the proxy's port picks a model and shows its output as text, however much
-it looks like markup; the chart's /activity holds what the servers reported. The servers are
-tests/proxy/fake_server.py: they start at once and answer a script, or never get ready."""
+reason; the chat page on the proxy's port picks a model, shows its output as text however much it
+looks like markup, sends the whole conversation, and cancels a load in progress; the chart's
+/activity holds what the servers reported. The servers are tests/proxy/fake_server.py: they start
+at once and answer a script, or never get ready."""
 from __future__ import annotations
 
 import re
@@ -109,10 +110,14 @@ def test_the_proxys_chat_page_shows_model_output_as_text_and_the_chart_counts_it
     wait_until(lambda: found(browser, ".message.assistant .timings"), 30, "the answer's timings line")
     answer = found(browser, ".message.assistant")[-1]
     assert answer.find_element(By.CLASS_NAME, "text").get_attribute("textContent") == REPLY
-    assert answer.find_element(By.CLASS_NAME, "timings").text.startswith("PP 300.0 t/s (3 tokens) · TG 30.0 t/s")
+    assert answer.find_element(By.CLASS_NAME, "timings").text.startswith("PP 300.0 t/s (1 tokens) · TG 30.0 t/s")
     assert not found(browser, "#history script, #history b, #history img")
     assert browser.execute_script("return window.injected") is None
     wait_until(lambda: browser.find_element(By.ID, "model-status").text == "ready", 10, "the autoloaded model's state")
+    send_chat(browser, "and again", temperature=0.5, max_tokens=16)
+    wait_until(lambda: len(found(browser, ".message.assistant .timings")) == 2, 30, "the second answer")
+    # the fake server counts the messages it was sent as prompt tokens: the whole history went
+    assert found(browser, ".message.assistant .timings")[-1].text.startswith("PP 300.0 t/s (3 tokens)")
 
     activity = proxy.client.get("/activity", params={"limit": 5}).json()
     assert activity[-1]["model"] == "echo" and activity[-1]["predicted_per_second"] == 30.0

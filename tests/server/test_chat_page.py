@@ -1,8 +1,11 @@
 """The chat page (`/`) in a headless Chromium, against a tiny-model server started with --api-key:
 the page and its files need no key, the page asks for it once, an answer streams in with its timings
-line, text is shown as text, API errors show as messages, and the stop button ends a long answer
-with the slot freed. The tiny model decodes greedily (temperature 0) without meeting its EOS."""
+line (with the drafts accepted: the server speculates with n-grams), text is shown as text, API
+errors show as messages, and the stop button ends a long answer with the slot freed. The tiny model
+decodes greedily (temperature 0) without meeting its EOS."""
 from __future__ import annotations
+
+import re
 
 import httpx
 import pytest
@@ -17,7 +20,9 @@ KEY = "page-key"
 
 @pytest.fixture(scope="module")
 def server(start_server, tiny_model):
-    return start_server(["-m", str(tiny_model), "-c", "4096", "-np", "1"], api_key=KEY)
+    return start_server(["-m", str(tiny_model), "-c", "4096", "-np", "1", "--spec-type", "ngram",
+                         "--spec-draft-n-max", "3", "--spec-draft-p-min", "0", "--spec-ngram-size-n", "2"],
+                        api_key=KEY)
 
 
 @pytest.fixture(scope="module")
@@ -67,11 +72,13 @@ def test_the_page_asks_for_the_key_once(server, browser):
 
 
 def test_an_answer_streams_in_with_its_timings_and_text_stays_text(page):
-    text = "<script>window.injected = 1</script><b>hi</b>"
-    send_chat(page, text, temperature=0, max_tokens=24)
+    text = "<script>window.injected = 1</script><b>the cat sat on the mat and the cat sat on the mat</b>"
+    send_chat(page, text, temperature=0, max_tokens=48)
     wait_until(lambda: found(page, ".message.assistant .timings"), 30, "the timings line")
     timings = last_answer(page).find_element(By.CLASS_NAME, "timings").text
-    assert timings.startswith("PP ") and " t/s (" in timings and "TG " in timings and "(24 tokens)" in timings
+    drafts = re.fullmatch(r"PP [\d.]+ t/s \(\d+ tokens\) · TG [\d.]+ t/s \(48 tokens\) · drafts accepted (\d+)/(\d+)",
+                          timings)
+    assert drafts and int(drafts[1]) <= int(drafts[2]), timings
     assert answer_text(page)
     user = found(page, ".message.user .text")[-1]
     assert user.get_attribute("textContent") == text

@@ -53,7 +53,9 @@ async function send(text) {
     if (error.name === "AbortError") answer.append(element("div", "stopped", "timings"));
     else showError(error);
   } finally {
-    messages.push({ role: "assistant", content: textBox.textContent });
+    // A turn refused before any text is left out of the conversation, so the next one is not sent it.
+    if (textBox.textContent) messages.push({ role: "assistant", content: textBox.textContent });
+    else messages.pop();
     streaming = null;
     $("send").disabled = false;
     $("stop").disabled = true;
