@@ -96,10 +96,6 @@ async function cancelLoad() {
   await refreshModels();
 }
 
-function onError(action) {
-  return (...args) => action(...args).catch(showError);
-}
-
 $("compose").addEventListener("submit", (event) => {
   event.preventDefault();
   const text = $("prompt").value.trim();
@@ -120,8 +116,21 @@ $("new-chat").addEventListener("click", () => {
   $("history").replaceChildren();
 });
 $("model").addEventListener("change", showModelStatus);
-$("cancel-load").addEventListener("click", onError(cancelLoad));
+$("cancel-load").addEventListener("click", () => cancelLoad().catch(showError));
 
-onError(async () => {
-  if (await refreshModels()) setInterval(() => refreshModels().catch(showError), 2000);
-})();
+// A server still loading its model answers 503 for a while: the page says so and tries again.
+async function start() {
+  for (;;) {
+    try {
+      const onProxy = await refreshModels();
+      showError(null);
+      if (onProxy) setInterval(() => refreshModels().catch(showError), 2000);
+      return;
+    } catch (error) {
+      showError(error);
+      await new Promise((resolve) => setTimeout(resolve, 2000));
+    }
+  }
+}
+
+start();

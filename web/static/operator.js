@@ -31,6 +31,10 @@ function modelRow(name) {
 
 function showModels(models, running) {
   const live = new Map(running.map((m) => [m.model, m]));
+  const names = new Set(models.map((m) => m.id));
+  for (const row of [...$("models").tBodies[0].rows]) {
+    if (!names.has(row.dataset.model)) row.remove();  // its profile left the config
+  }
   for (const m of models) {
     const r = live.get(m.id);
     const replicas = r?.replicas ?? [];
