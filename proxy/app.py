@@ -10,11 +10,12 @@ import re
 import sqlite3
 from dataclasses import dataclass
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Query, Request
 from fastapi.responses import PlainTextResponse, StreamingResponse
 from pydantic import ValidationError
 from starlette.routing import Route
 
+from proxy.activity import ACTIVITY_SIZE, Activity
 from proxy.children import ChildRegistry, reap_leftovers
 from proxy.config import ProxyConfigError, ProxyConfig, load_config
 from proxy.events import Reload
@@ -27,7 +28,8 @@ from proxy.controller import Controller
 from proxy.supervisor import Supervisor
 from proxy.upstream import UpstreamClient
 from server.http_errors import install_error_handlers
-from server.protocol import ERROR_RESPONSES, OPEN_PATHS, APIError, validation_problems
+from server.protocol import ERROR_RESPONSES, APIError, is_open, validation_problems
+from web import install_pages
 
 log = logging.getLogger("tandem.proxy")
 
@@ -42,6 +44,7 @@ class Proxy:
     supervisor: Supervisor
     bus: LogBus
     metrics: ProxyMetrics
+    activity: Activity
     upstream: UpstreamClient
 
     def reload(self) -> ProxyConfig:
@@ -55,7 +58,7 @@ class Proxy:
 
 class Front:
     """The outermost ASGI app. It checks the API key ('Authorization: Bearer KEY' on everything but
-    server.protocol.OPEN_PATHS), sends completions straight to the relay and everything else to FastAPI. The relay is raw
+    server.protocol.is_open), sends completions straight to the relay and everything else to FastAPI. The relay is raw
     ASGI and needs none of FastAPI's routing or middleware, which would also wrap every streamed chunk."""
 
     def __init__(self, api: FastAPI, key: str | None):
@@ -70,7 +73,7 @@ class Front:
         if scope["type"] != "http":
             await self.api(scope, receive, send)  # lifespan
             return
-        if self.expected and scope["path"] not in OPEN_PATHS:
+        if self.expected and not is_open(scope["path"]):
             given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
             if given != self.expected:
                 await send_error(send, 401, "invalid or missing API key (Authorization: Bearer KEY)")
@@ -102,7 +105,7 @@ async def start_proxy(config: ProxyConfig, overrides: dict | None = None):
                             config.settings.log_tail_lines)
     controller = Controller(config, supervisor, store)
     upstream = UpstreamClient()
-    proxy = Proxy(config, overrides or {}, db, store, controller, supervisor, bus, ProxyMetrics(), upstream)
+    proxy = Proxy(config, overrides or {}, db, store, controller, supervisor, bus, ProxyMetrics(), Activity(), upstream)
     run = asyncio.ensure_future(controller.run())
     try:
         yield proxy
@@ -132,6 +135,7 @@ def create_app(config: ProxyConfig, overrides: dict | None = None) -> Front:
         return request.app.state.proxy
 
     install_error_handlers(app, "the proxy")
+    install_pages(app, {"/": "chat.html", "/ui": "operator.html"})
 
     @app.get("/health")
     async def health():
@@ -197,6 +201,11 @@ def create_app(config: ProxyConfig, overrides: dict | None = None) -> Front:
         counts = {s.value: n for s, n in p.store.counts().items()}
         models = [m.snapshot() for m in p.controller.models.values()]
         return PlainTextResponse(p.metrics.render(models, counts), media_type="text/plain; version=0.0.4")
+
+    @app.get("/activity")
+    async def activity(request: Request, limit: int = Query(200, ge=1, le=ACTIVITY_SIZE)):
+        """The last `limit` requests relayed, oldest first, with their speed from the server's `timings`."""
+        return proxy_of(request).activity.recent(limit)
 
     @app.get("/logs/stream")
     async def logs(request: Request, model: str | None = None):

@@ -62,6 +62,8 @@ class Completions:
             outcome = await relay(scope, send, watch, p.upstream, replica.port, self.path, body,
                                   why_cancelled=lambda: lease.cancel_reason)
             p.metrics.on_request(model, outcome.status, outcome.timings)
+            if outcome.timings:
+                p.activity.record(model, outcome.timings)
             p.controller.release(lease, outcome.failure)
             lease = None
         except asyncio.CancelledError:

@@ -19,6 +19,7 @@ from server.openai_api import get_state, render_chat, router
 from server.protocol import (ERROR_RESPONSES, APIError, ApplyTemplateRequest, DetokenizeRequest, TokenizeRequest,
                              error_body)
 from server.state import ServerState
+from web import install_pages
 
 log = logging.getLogger("tandem.server")
 
@@ -44,6 +45,7 @@ def create_app(state: ServerState, on_load_failure: Callable[[BaseException], No
     app.include_router(router)
 
     install_error_handlers(app, "this server")
+    install_pages(app, {"/": "chat.html"})
 
     @app.exception_handler(Exception)
     async def crash(request: Request, e: Exception):

@@ -11,7 +11,7 @@ import asyncio
 import json
 
 from server.memory import BIG_BODY, give_back_freed_memory
-from server.protocol import OPEN_PATHS, APIError, error_body
+from server.protocol import APIError, error_body, is_open
 from server.state import ServerState
 
 COMPLETION_PATHS = ("/v1/chat/completions", "/v1/completions")
@@ -26,10 +26,10 @@ class EdgeMiddleware:
             return await self.app(scope, receive, send)
         settings, path = self.state.settings, scope["path"]
         headers = dict(scope["headers"])
-        if settings.api_key and path not in OPEN_PATHS:
+        if settings.api_key and not is_open(path):
             if headers.get(b"authorization", b"").decode("latin-1") != f"Bearer {settings.api_key}":
                 return await _reply(send, 401, "Invalid API Key: send 'Authorization: Bearer KEY'")
-        if self.state.draining and path not in OPEN_PATHS:
+        if self.state.draining and not is_open(path):
             return await _reply(send, 503, "Server is shutting down")
         try:
             declared = int(headers.get(b"content-length", b"0"))

@@ -16,9 +16,11 @@ MAX_STOP_STRINGS = 4
 # The validators below word their own refusals; these tell /openapi.json's readers (clients,
 # fuzzers) the same rules.
 _NON_EMPTY = {"minItems": 1}
-# What both HTTP apps answer without the API key: the health probe and the API's description (the
-# /docs page loads its script and style from a CDN; /docs/oauth2-redirect serves OAuth flows only).
-OPEN_PATHS = ("/health", "/openapi.json", "/docs", "/docs/oauth2-redirect")
+# What both HTTP apps answer without the API key: the health probe, the API's description (the
+# /docs page loads its script and style from a CDN; /docs/oauth2-redirect serves OAuth flows only),
+# and the browser pages with their files (package web), which hold no data: their API calls send the key.
+OPEN_PATHS = ("/health", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/", "/ui")
+STATIC_PREFIX = "/static/"
 ROLES = ("system", "user", "assistant", "tool", "developer")
 
 
@@ -33,6 +35,11 @@ class APIError(Exception):
 
     def body(self) -> dict:
         return error_body(self.status, self.message, self.type)
+
+
+def is_open(path: str) -> bool:
+    # ".." is refused so that no path that could resolve outside the static files passes unchecked.
+    return path in OPEN_PATHS or (path.startswith(STATIC_PREFIX) and ".." not in path)
 
 
 def error_type(status: int) -> str:

@@ -6,6 +6,7 @@ server whose command line names the test's model directory, so nothing outlives 
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -34,6 +35,15 @@ LONG_STREAM = 4000
 def tiny_profile(model: Path, parallel: int = 2, **extra) -> dict:
     return {"args": ["-m", str(model), "-c", str(4096 * parallel), "-np", str(parallel), "-t", "1"],
             "health_timeout": 90, "drain_timeout": 30, "stop_grace": 5, **extra}
+
+
+FAKE_SERVER = str(Path(__file__).with_name("fake_server.py"))
+
+
+def fake_profile(mode: str, env: dict | None = None, **extra) -> dict:
+    """A profile whose server is fake_server.py in `mode` (FAKE_SERVER), with more `env` if given."""
+    return {"args": ["-m", "fake", "-np", "1"], "command": [sys.executable, FAKE_SERVER],
+            "env": {"FAKE_SERVER": mode, **(env or {})}, "health_timeout": 30, "stop_grace": 2, **extra}
 
 
 def sse_events(lines) -> list[dict | str]:

@@ -3,7 +3,9 @@ flags) and quick to start: a tiny-model server takes seconds to load, more on a 
 
 FAKE_SERVER (environment) picks the behaviour:
     serve     /health 200, /props as the profile expects (one slot), and any POST answered as a
-              completion of 2 tokens after `sleep` seconds (a field of the request body)
+              completion of 2 tokens after `sleep` seconds (a field of the request body); one
+              with `"stream": true` as a chat stream of FAKE_REPLY's text (environment), a word
+              per chunk, ending with `timings` whose prompt_n is the number of messages sent
     slow      says it is loading, starts a helper process (as a real server may), never listens
     killed    prints a line and kills itself with SIGKILL
 """
@@ -40,8 +42,26 @@ def serve(args: list[str]) -> None:
             self.reply({"status": "ok"} if self.path == "/health" else
                        {"model_alias": alias, "model_path": model, "total_slots": 1})
 
+        def stream(self, messages: list) -> None:
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.send_header("Connection", "close")
+            self.end_headers()
+            words = os.environ.get("FAKE_REPLY", "ok").split(" ")
+            chunks = [{"choices": [{"index": 0, "delta": {"content": w if i == 0 else " " + w}}]}
+                      for i, w in enumerate(words)]
+            chunks.append({"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}],
+                           "timings": {"prompt_n": len(messages), "prompt_per_second": 300.0, "predicted_n": len(words),
+                                       "predicted_per_second": 30.0}})
+            for chunk in chunks:
+                self.wfile.write(b"data: " + json.dumps({"model": alias, **chunk}).encode() + b"\n\n")
+            self.wfile.write(b"data: [DONE]\n\n")
+            self.close_connection = True
+
         def do_POST(self) -> None:
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            if body.get("stream"):
+                return self.stream(body.get("messages", []))
             time.sleep(float(body.get("sleep", 0)))
             self.reply({"object": "text_completion", "model": alias, "usage": {"completion_tokens": 2},
                         "choices": [{"index": 0, "text": "ok", "finish_reason": "length"}]})

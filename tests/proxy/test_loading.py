@@ -4,27 +4,19 @@ The servers are tests/proxy/fake_server.py: they start at once, or misbehave on 
 from __future__ import annotations
 
 import concurrent.futures
-import sys
-from pathlib import Path
 
 import httpx
 import pytest
 
 from bench.processes import alive, pids_with, wait_until
-
-FAKE_SERVER = str(Path(__file__).with_name("fake_server.py"))
-
-
-def fake(mode: str, **extra) -> dict:
-    return {"args": ["-m", "fake", "-np", "1"], "command": [sys.executable, FAKE_SERVER],
-            "env": {"FAKE_SERVER": mode}, "health_timeout": 30, "stop_grace": 2, **extra}
+from tests.proxy.conftest import FAKE_SERVER, fake_profile
 
 
 @pytest.fixture(scope="module")
 def proxy(make_proxy):
-    return make_proxy({"slow": fake("slow"), "killed": fake("killed"),
-                       "p": fake("serve", group="swap", autoload=True),
-                       "q": fake("serve", group="swap", autoload=True)},
+    return make_proxy({"slow": fake_profile("slow"), "killed": fake_profile("killed"),
+                       "p": fake_profile("serve", group="swap", autoload=True),
+                       "q": fake_profile("serve", group="swap", autoload=True)},
                       groups={"swap": {"exclusive": True}})
 
 
