@@ -1,8 +1,9 @@
 """python -m bench.screenshots [--out docs]: screenshots of the browser pages, for the docs.
 
-Starts a server and a proxy on a tiny random model (configs/tiny/llama.json: its answers are
-gibberish, its speed is real), drives the chat page of the server and the operator page of the
-proxy in a headless Chromium (bench.browser), and writes chat-page.png and operator-page.png."""
+Starts a server on the default model with its MTP draft (real answers, drafts accepted shown) and
+a proxy on a tiny random model (configs/tiny/llama.json: quick to load and unload), drives the
+chat page of the server and the operator page of the proxy in a headless Chromium
+(bench.browser), and writes chat-page.png and operator-page.png."""
 from __future__ import annotations
 
 import argparse
@@ -26,8 +27,8 @@ def chat_page(driver, url: str, out: Path) -> None:
     wait_until(lambda: found(driver, "#model option"), 30, "the chat page's model picker")
     for question in QUESTIONS:
         answers = len(found(driver, ".message.assistant .timings"))
-        send_chat(driver, question, temperature=0.7, max_tokens=48)
-        wait_until(lambda: len(found(driver, ".message.assistant .timings")) > answers, 60, "an answer")
+        send_chat(driver, question, temperature=0, max_tokens=64)
+        wait_until(lambda: len(found(driver, ".message.assistant .timings")) > answers, 120, "an answer")
     driver.save_screenshot(str(out / "chat-page.png"))
 
 
@@ -58,7 +59,8 @@ def main() -> None:
         tmp = Path(tmp)
         model = write_tiny_model(json.loads((ROOT / "configs/tiny/llama.json").read_text()), tmp / "tiny", seed=0)
         server_args = ["-m", str(model), "-c", "4096", "-np", "1"]
-        server = ServerProcess([*server_args, "--alias", "tiny-llama"], tmp / "server.log")
+        server = ServerProcess(["-m", "default", "--dtype", "int8", "--spec-type", "draft-mtp", "-md",
+                                str(ROOT / "configs/drafts/smollm2-135m-mtp.safetensors")], tmp / "server.log")
         proxy = ProxyProcess(tmp / "proxy", {
             "tiny": {"args": [*server_args, "-t", "1"], "health_timeout": 180},
             "broken": {"args": ["-m", str(tmp / "no-such-model"), "-t", "1"], "health_timeout": 60}})

@@ -110,7 +110,7 @@ def test_the_proxys_chat_page_shows_model_output_as_text_and_the_chart_counts_it
     wait_until(lambda: found(browser, ".message.assistant .timings"), 30, "the answer's timings line")
     answer = found(browser, ".message.assistant")[-1]
     assert answer.find_element(By.CLASS_NAME, "text").get_attribute("textContent") == REPLY
-    assert answer.find_element(By.CLASS_NAME, "timings").text.startswith("PP 300.0 t/s (1 tokens) · TG 30.0 t/s")
+    assert answer.find_element(By.CLASS_NAME, "timings").text.startswith("PP 300.0 t/s (1 token) · TG 30.0 t/s")
     assert not found(browser, "#history script, #history b, #history img")
     assert browser.execute_script("return window.injected") is None
     wait_until(lambda: browser.find_element(By.ID, "model-status").text == "ready", 10, "the autoloaded model's state")

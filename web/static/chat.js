@@ -17,7 +17,8 @@ function addMessage(role, text) {
 
 function timingsLine(t) {
   const rate = (x) => (x ?? 0).toFixed(1);
-  let line = `PP ${rate(t.prompt_per_second)} t/s (${t.prompt_n} tokens) · TG ${rate(t.predicted_per_second)} t/s (${t.predicted_n} tokens)`;
+  const tokens = (n) => `${n} token${n === 1 ? "" : "s"}`;
+  let line = `PP ${rate(t.prompt_per_second)} t/s (${tokens(t.prompt_n)}) · TG ${rate(t.predicted_per_second)} t/s (${tokens(t.predicted_n)})`;
   if (t.draft_n) line += ` · drafts accepted ${t.draft_n_accepted}/${t.draft_n}`;
   return line;
 }
