@@ -326,8 +326,9 @@ class Engine:
                   and p.request.probe.wants(p.row.start, len(p.row.tokens)) else None for p in rows]
         batch = ForwardBatch.build([p.row for p in rows], probes if any(probes) else None)
         hidden = self.model(batch, self.cache)
-        for p, probe in zip(rows, probes):
-            if probe is not None and p.row.start + len(p.row.tokens) >= probe.n_prompt:
+        for p in rows:
+            probe = p.request.probe
+            if probe is not None and not probe.done and p.row.start + len(p.row.tokens) >= probe.n_prompt:
                 p.request.probe_result = probe.result()
         starts = (batch.last_token_indices() + 1 - torch.tensor([len(p.row.tokens) for p in rows])).tolist()
         index, firsts = [], []

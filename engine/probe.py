@@ -93,9 +93,11 @@ class ProbeSpec:
              f"must be in [-{n_prompt}, {n_prompt}) for this prompt of {n_prompt} tokens"),
             (not isinstance(q, Window) or q.last <= n_prompt, "attention_probe.query.last",
              getattr(q, "last", None), f"must be at most the prompt's {n_prompt} tokens"),
-            ((q != "all" and self.kind != "qk") or n_prompt <= MAX_POSITIONS, "prompt", f"{n_prompt} tokens",
-             f'must be at most {MAX_POSITIONS} tokens for attention_probe with query "all" or kind "qk"'),
         ])
+        # Every prompt position's Q or weights are kept: the field that asked for them is named.
+        whole = ("attention_probe.kind", self.kind) if self.kind == "qk" else ("attention_probe.query", q)
+        check_rules([((q != "all" and self.kind != "qk") or n_prompt <= MAX_POSITIONS, *whole,
+                     f"needs a prompt of at most {MAX_POSITIONS} tokens (this one has {n_prompt})")])
         if q == "last":
             return [n_prompt - 1]
         if q == "all":
