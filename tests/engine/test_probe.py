@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import functools
 import importlib
-import queue
 
 import pytest
 import torch
@@ -18,7 +17,8 @@ from engine.probe import MAX_LAYERS, MAX_POSITIONS, ProbeSpec, Window
 from engine.request import Request
 from engine.sampling import SamplingParams
 from engine.tiny import write_tiny_model
-from tests.engine.test_parity import tiny_config
+from tests.engine.runs import run_all
+from tests.engine.test_parity import one_thread, tiny_config  # noqa: F401 (one_thread: autouse)
 from tests.engine.test_qsa_engine import write_llama8_with_drafts
 
 TOLERANCE = 1e-5  # f32, tiny models
@@ -26,16 +26,8 @@ DEFAULT_TOLERANCE = 1e-4  # f32, the default model
 PROMPT = [(11 * i + 7) % 250 + 20 for i in range(37)]  # three chunks of UBATCH, groups of 4 with a short last
 UBATCH = 16
 GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
-QUERIES = ["last", 5, -3, Window(6), "all"]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # Tiny matrices gain nothing from a second thread on a shared machine (see test_parity).
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+N = len(PROMPT)
+QUERIES = {"last": [N - 1], 5: [5], -3: [N - 3], Window(6): list(range(N - 6, N)), "all": list(range(N))}  # and their positions
 
 
 @pytest.fixture(scope="module")
@@ -48,23 +40,8 @@ def tiny(tmp_path_factory):
     return make
 
 
-def run(engine: Engine, prompts: list[list[int]], probes: list[ProbeSpec | None],
-        cache_prompt: bool = True) -> list[Request]:
-    """Submit every prompt at once and step inline until each has finished."""
-    outputs: queue.SimpleQueue = queue.SimpleQueue()
-    requests = [engine.submit(p, GREEDY, outputs.put, cache_prompt=cache_prompt, probe=probe)
-                for p, probe in zip(prompts, probes)]
-    finished = 0
-    while finished < len(requests):
-        while outputs.empty():
-            engine._drain_inbox()
-            engine.step()
-        finished += outputs.get().finished
-    return requests
-
-
-def probe_one(engine: Engine, spec: ProbeSpec, prompt: list[int] = PROMPT, cache_prompt: bool = True) -> Request:
-    return run(engine, [prompt], [spec], cache_prompt)[0]
+def probe_one(engine: Engine, spec: ProbeSpec | None, prompt: list[int] = PROMPT, cache_prompt: bool = True) -> Request:
+    return run_all(engine, [prompt], GREEDY, [spec], cache_prompt)[0]
 
 
 def transformers_run(path, ids: list[int], module_name: str):
@@ -114,16 +91,6 @@ def reduced(attention: torch.Tensor, spec: ProbeSpec, kv_heads: int, positions: 
     return out[0] if spec.reduce == "mean" else out
 
 
-def expected_positions(query, n: int) -> list[int]:
-    if query == "last":
-        return [n - 1]
-    if query == "all":
-        return list(range(n))
-    if isinstance(query, Window):
-        return list(range(n - query.last, n))
-    return [query % n]
-
-
 def assert_close(got: torch.Tensor, expected: torch.Tensor, tolerance: float, what: str) -> None:
     assert got.shape == expected.shape, f"{what}: shape {list(got.shape)}, expected {list(expected.shape)}"
     diff = float((got - expected).abs().max())
@@ -135,11 +102,10 @@ def test_head_mean_equals_transformers_eager_attentions(tiny, name):
     path, engine = tiny(name)
     config = engine.model.config
     attentions, _ = transformers_run(path, PROMPT, name)
-    for query in QUERIES:
+    for query, positions in QUERIES.items():
         for reduce in ("mean", "none"):
             spec = ProbeSpec((0, -1), query=query, group=4, reduce=reduce)
             req = probe_one(engine, spec)
-            positions = expected_positions(query, len(PROMPT))
             for layer, result in zip((0, config.num_layers - 1), req.probe_result):
                 assert result.layer == layer and result.query_positions == positions and not result.sparse
                 assert_close(result.tensors["values"], reduced(attentions[layer], spec, config.num_kv_heads, positions),
@@ -150,9 +116,9 @@ def test_head_mean_equals_transformers_eager_attentions(tiny, name):
 def test_qk_equals_transformers_post_rope_q_and_k(tiny, name):
     path, engine = tiny(name)
     _, captured = transformers_run(path, PROMPT, name)
-    for query in ("last", Window(5), "all"):
+    for query in ("last", Window(6), "all"):
         req = probe_one(engine, ProbeSpec((1, 0), kind="qk", query=query))
-        positions = expected_positions(query, len(PROMPT))
+        positions = QUERIES[query]
         for layer, result in zip((1, 0), req.probe_result):
             q, k = captured[layer]
             assert result.key_positions == range(len(PROMPT))
@@ -223,7 +189,7 @@ def test_two_slots_probing_different_layers_at_once_get_their_own(tiny):
     _, engine = tiny("qwen2")
     other = PROMPT[5:30]
     specs = [ProbeSpec((0,), query="all", group=2), ProbeSpec((1,), query=Window(4), reduce="none")]
-    together = run(engine, [PROMPT, other], specs, cache_prompt=False)
+    together = run_all(engine, [PROMPT, other], GREEDY, specs)
     alone = [probe_one(engine, spec, prompt, cache_prompt=False) for spec, prompt in zip(specs, [PROMPT, other])]
     for t, a in zip(together, alone):
         assert [r.layer for r in t.probe_result] == [r.layer for r in a.probe_result]
