@@ -248,6 +248,8 @@ def main() -> None:
     parser.add_argument("--out", help="save the layers' values (head_mean) or q (qk) stacked, as .npy")
     parser.add_argument("--plot", help="save a heat strip over the prompt's tokens, one row per layer, as .png")
     args = parser.parse_args()
+    if args.plot and args.kind == "qk":
+        parser.error('--plot draws attention: it needs --kind head_mean')
     try:
         spec = ProbeSpec(tuple(int(i) for i in args.layers.split(",")), args.kind, group=args.group)
     except (ConfigError, ValueError) as e:
@@ -268,7 +270,7 @@ def main() -> None:
     if args.out:
         np.save(args.out, stacked)
     if args.plot:
-        plot_strip(stacked, [engine.tokenizer.decode([t]) for t in ids], [r.layer for r in result], spec.group or 1,
+        plot_strip(stacked, [engine.tokenizer.decode([t]) for t in ids], [r.layer for r in result], spec.group,
                    args.plot)
 
 
