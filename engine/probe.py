@@ -227,6 +227,7 @@ def group_means(w: torch.Tensor, ends: torch.Tensor, group: int) -> torch.Tensor
     leading axes) the key positions each row counts. -> [..., ceil(L/group)]: each group's mean over
     its counted positions, 0 for a group with none."""
     length = w.shape[-1]
+    group = min(group, length)  # a group as long as the keys or longer holds them all
     n = -(-length // group)
     sums = F.pad(w, (0, n * group - length)).unflatten(-1, (n, group)).sum(-1)
     counts = (ends[..., None] - torch.arange(n) * group).clamp(0, group)

@@ -142,6 +142,13 @@ def test_default_model_head_mean_equals_transformers(default_engine, hf_default_
                      DEFAULT_TOLERANCE, f"default model layer {layer}")
 
 
+def test_a_group_longer_than_the_prompt_is_one_group(tiny):
+    _, engine = tiny("llama")
+    (result,) = probe_one(engine, ProbeSpec((0,), group=10**12)).probe_result
+    # The mean of weights that sum to 1 over the prompt's keys.
+    assert_close(result.tensors["values"], torch.tensor([1 / len(PROMPT)]), 1e-7, "one group")
+
+
 def test_a_probe_changes_no_token_and_all_queries_recompute_the_prompt(tiny):
     _, engine = tiny("qwen2")
     plain = probe_one(engine, None)
