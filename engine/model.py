@@ -187,9 +187,9 @@ def fused_layers(layers: list[DecoderLayer], x: torch.Tensor, batch: ForwardBatc
                  sin: torch.Tensor, cache: KVCache) -> torch.Tensor | None:
     """The layers over x [N, hidden] in one kernel call, when the step is a few tokens (at most the
     linear kernel's row limit) on a slot-major cache of the compute dtype; None when it is not, or
-    when a layer has hooks (`python -m train` watches one) or a row probes (its layers hand q to the
-    probe): those run module by module. QSA layers
-    take the call too, with their specs and the cache's pooled keys. cos, sin: [N, head_dim]."""
+    when a layer has hooks (`python -m train` watches one) or a row probes (its chosen layers hand
+    q to the probe): those run module by module. QSA layers take the call too, with their specs
+    and the cache's pooled keys. cos, sin: [N, head_dim]."""
     first = layers[0]
     if not kernels.usable() or batch.probes is not None or len(batch.slots) != batch.num_tokens \
             or batch.num_tokens > first.self_attn.qkv_proj.max_kernel_rows \
