@@ -129,7 +129,7 @@ class LayerProbe:
 class ProbeCapture:
     spec: ProbeSpec
     layers: tuple[int, ...]
-    positions: list[int]  # query positions, ascending
+    positions: list[int]  # query positions: one ascending run, e.g. 30 .. 36
     n_prompt: int
     # Per layer: head_mean's weights [queries, rows, n_prompt] (rows: 1 or kv_heads); qk's q and k.
     kept: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
@@ -153,25 +153,24 @@ class ProbeCapture:
         """One row of layer `layer`: q [T, heads, d] and k [T, kv_heads, d] post-RoPE at positions
         start .. start+T-1, keys [kv_heads, start+T, d] the slot's keys as attention reads them,
         kpool the slot's pooled keys (QSA layers)."""
-        offsets = [p - start for p in self.positions if start <= p < start + len(q)]
-        index = torch.tensor(offsets, dtype=torch.long)
-        rows = [self.positions.index(start + i) for i in offsets]
+        first = self.positions[0]
+        lo, hi = max(start, first), min(start + len(q), self.positions[-1] + 1)
+        qs = q[lo - start:max(lo, hi) - start].float()  # the row's query positions lo .. hi-1
+        rows = slice(lo - first, lo - first + len(qs))
+        kept = self._kept(layer, q, k)
         if self.spec.kind == "qk":
-            kept = self._kept(layer, q, k)
-            kept["q"][rows] = q[index].float()
+            kept["q"][rows] = qs
             n = min(len(k), self.n_prompt - start)
             kept["k"][start:start + n] = k[:n].float()
             return
-        positions = index + start
-        qs = q[index].float()
+        positions = torch.arange(lo, hi)
         allowed = positions[:, None] >= torch.arange(keys.shape[1])
         if spec.is_qsa:
             attended = qsa.attended(qs, kpool, positions, keys.shape[1], spec)
             if bool((attended != allowed).any()):
                 self.sparse.add(layer)
             allowed = attended
-        weights = self._weights(qs, keys.float(), allowed)
-        self._kept(layer, q, k)["w"][rows, :, :keys.shape[1]] = weights
+        kept["w"][rows, :, :keys.shape[1]] = self._weights(qs, keys.float(), allowed)
 
     def _weights(self, q: torch.Tensor, keys: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
         """softmax(q k^T / sqrt(d)) over the allowed keys, averaged over each kv head's query heads

@@ -192,6 +192,15 @@ def test_cached_prefix_and_fresh_prompt_give_the_same_values(tiny):
         assert_close(a.tensors["values"], b.tensors["values"], 1e-6, f"layer {a.layer} cached vs fresh")
 
 
+def test_the_unified_pool_gives_the_per_slot_cache_values(tiny):
+    path, engine = tiny("qwen3")
+    unified = Engine.load(EngineConfig(model=str(path), ctx_size=256, parallel=2, ubatch_size=UBATCH, kv_unified=True))
+    for spec in (ProbeSpec((1,), query="all", group=3), ProbeSpec((0,), kind="qk", query=Window(2))):
+        a, b = (probe_one(e, spec).probe_result[0] for e in (engine, unified))
+        for name in a.tensors:
+            assert_close(b.tensors[name], a.tensors[name], 1e-6, f"{spec.kind} {name}, unified vs per slot")
+
+
 def test_two_slots_probing_different_layers_at_once_get_their_own(tiny):
     _, engine = tiny("qwen2")
     other = PROMPT[5:30]
