@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import importlib
 
+import numpy as np
 import pytest
 import torch
 
@@ -227,6 +228,19 @@ def test_a_qsa_layer_reports_the_kept_blocks_it_attended(tmp_path):
         assert int((sparse.tensors["values"][p] > 0).sum()) == kept, f"query {p}"
         assert int((dense.tensors["values"][p] > 0).sum()) == p + 1
         assert abs(float(sparse.tensors["values"][p].sum()) - 1) < 1e-5
+
+
+def test_the_command_saves_and_plots_the_values(tiny, tmp_path, monkeypatch, capsys):
+    from engine import probe
+    path, _ = tiny("llama")
+    out, plot = tmp_path / "values.npy", tmp_path / "strip.png"
+    monkeypatch.setattr("sys.argv", ["probe", "-m", str(path), "--prompt", "a short prompt", "--layers", "0,-1",
+                                     "--group", "3", "--out", str(out), "--plot", str(plot)])
+    probe.main()
+    values = np.load(out)
+    assert values.shape == (2, 5)  # 14 byte tokens in groups of 3
+    assert np.allclose((values * [3, 3, 3, 3, 2]).sum(1), 1, atol=1e-5)
+    assert plot.stat().st_size > 0 and "layer 2: values [5] over key positions 0..13" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("kwargs, field", [
