@@ -127,6 +127,7 @@ class LayerProbe:
 
 @dataclass
 class ProbeCapture:
+    """One request's probe while its prompt runs, in its resolved layers and query positions."""
     spec: ProbeSpec
     layers: tuple[int, ...]
     positions: list[int]  # query positions: one ascending run, e.g. 30 .. 36
@@ -146,7 +147,7 @@ class ProbeCapture:
             return False
         if self.spec.kind == "qk":
             return start < self.n_prompt
-        return any(start <= p < start + length for p in self.positions)
+        return start <= self.positions[-1] and self.positions[0] < start + length
 
     def take(self, layer: int, start: int, q: torch.Tensor, k: torch.Tensor, keys: torch.Tensor,
              spec: LayerSpec, kpool: torch.Tensor | None) -> None:
@@ -236,6 +237,7 @@ def group_means(w: torch.Tensor, ends: torch.Tensor, group: int) -> torch.Tensor
 def main() -> None:
     import numpy as np
 
+    # Imported here: the engine imports this module (requests carry probes).
     from engine.engine import Engine, EngineConfig
     from engine.sampling import SamplingParams
 
