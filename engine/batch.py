@@ -2,8 +2,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from engine.probe import ProbeCapture
 
 NO_ROWS = torch.empty(0, dtype=torch.long)
 
@@ -30,9 +34,12 @@ class ForwardBatch:
     # Each token's slot, [N]: with causal masks every token is a row of its own (model.fused_layers).
     # Left empty by a batch built by hand with other masks, which then runs layer by layer.
     slots: torch.Tensor = field(default_factory=lambda: NO_ROWS)
+    # Per row, the probe that captures from it (engine/probe.py); None when no row probes, the
+    # common case, which then runs exactly as without probes.
+    probes: list[ProbeCapture | None] | None = None
 
     @classmethod
-    def build(cls, rows: list[Row]) -> "ForwardBatch":
+    def build(cls, rows: list[Row], probes: list[ProbeCapture | None] | None = None) -> "ForwardBatch":
         tokens, positions, masks, decode, slots = [], [], [], [], []
         for row in rows:
             n = len(row.tokens)
@@ -44,7 +51,7 @@ class ForwardBatch:
             masks.append(None if n == 1 else causal_mask(row.start, n))
         index, decode_slots, starts = (torch.tensor(c, dtype=torch.long) for c in zip(*decode)) if decode else (NO_ROWS,) * 3
         return cls(rows, torch.tensor(tokens, dtype=torch.long), torch.tensor(positions, dtype=torch.long), masks,
-                   index, decode_slots, starts, torch.tensor(slots, dtype=torch.long))
+                   index, decode_slots, starts, torch.tensor(slots, dtype=torch.long), probes)
 
     @property
     def num_tokens(self) -> int:

@@ -22,6 +22,7 @@ from engine.kv_cache import KV_DTYPES, KVCache, PagedKVCache
 from engine.model import Transformer
 from engine.options import CompressRatios
 from engine.preflight import Headers, describe_cache, read_headers
+from engine.probe import ProbeCapture, ProbeSpec
 from engine.quant import DTYPES
 from engine.request import Draft, Request, Status, StepOutput
 from engine.sampling import SamplingParams, choose, logprob_entry, make_generator
@@ -179,10 +180,13 @@ class Engine:
     # -- any thread ---------------------------------------------------------------------------
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, on_output, *, request_id: str | None = None,
-               cache_prompt: bool = True, slot_id: int | None = None) -> Request:
-        """Queue a request; the caller has validated it fits (see check_prompt)."""
+               cache_prompt: bool = True, slot_id: int | None = None, probe: ProbeSpec | None = None) -> Request:
+        """Queue a request; the caller has validated it fits (see check_prompt) and its probe
+        (check_probe). A probe that needs q before the last prompt token runs the prompt whole."""
+        capture = None if probe is None else ProbeCapture.start(probe, self.model.config.num_layers, len(prompt_ids))
         req = Request(request_id or uuid.uuid4().hex, list(prompt_ids), params, on_output,
-                      cache_prompt=cache_prompt, slot_id=slot_id, generator=make_generator(params.seed))
+                      cache_prompt=cache_prompt and not (probe is not None and probe.recomputes), slot_id=slot_id,
+                      generator=make_generator(params.seed), probe=capture)
         self._inbox.put(("add", req))
         self._wake.set()
         return req
@@ -202,6 +206,10 @@ class Engine:
         if max_tokens is not None and n_prompt + max_tokens > ctx:
             raise ConfigError(f"max_tokens={max_tokens}: the prompt's {n_prompt} tokens plus max_tokens exceed "
                               f"the slot context {ctx} (at most {ctx - n_prompt})")
+
+    def check_probe(self, probe: ProbeSpec, n_prompt: int) -> None:
+        """Raise ConfigError unless the probe fits this model and a prompt of n_prompt tokens."""
+        probe.check(self.model.config.num_layers, n_prompt)
 
     def room_after(self, n_prompt: int) -> int:
         """The most tokens a request with an n_prompt-token prompt can generate."""
@@ -314,8 +322,14 @@ class Engine:
             req.draft = draft
 
     def _forward(self, rows: list[PlannedRow]) -> "StepResult":
-        batch = ForwardBatch.build([p.row for p in rows])
+        probes = [p.request.probe if p.request.probe is not None
+                  and p.request.probe.wants(p.row.start, len(p.row.tokens)) else None for p in rows]
+        batch = ForwardBatch.build([p.row for p in rows], probes if any(probes) else None)
         hidden = self.model(batch, self.cache)
+        for p in rows:
+            probe = p.request.probe
+            if probe is not None and not probe.done and p.row.start + len(p.row.tokens) >= probe.n_prompt:
+                p.request.probe_result = probe.result()
         starts = (batch.last_token_indices() + 1 - torch.tensor([len(p.row.tokens) for p in rows])).tolist()
         index, firsts = [], []
         for p, start in zip(rows, starts):

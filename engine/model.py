@@ -109,7 +109,22 @@ class Attention(nn.Module):
                 pool = cache.read_pool(layer, row.slot, (row.start + t) // self.spec.ratio)
                 keys, values, mask = qsa.sparse_keys(q[sl], keys, values, pool, batch.positions[sl], self.spec)
             out[sl] = self._attend(q[sl], keys.to(q.dtype), values.to(q.dtype), mask)
+        if batch.probes is not None:
+            self._probe(q, k, batch, cache, layer)
         return self.o_proj(out.view(n, heads * self.head_dim))
+
+    def _probe(self, q, k, batch: ForwardBatch, cache: KVCache, layer: int) -> None:
+        """Hand the probed rows' q and k, and the keys they attended, to their probes when this
+        layer is one of theirs."""
+        offset = 0
+        for row, probe in zip(batch.rows, batch.probes):
+            t = len(row.tokens)
+            if probe is not None and layer in probe.layers:
+                end = row.start + t
+                keys = cache.read(layer, row.slot, end)[0].to(q.dtype)
+                kpool = cache.read_pool(layer, row.slot, end // self.spec.ratio) if self.spec.is_qsa else None
+                probe.take(layer, row.start, q[offset:offset + t], k[offset:offset + t], keys, self.spec, kpool)
+            offset += t
 
     def _attend(self, q, keys, values, mask) -> torch.Tensor:
         # Grouped-query attention without repeating K/V: the `group` query heads that share a kv
@@ -172,10 +187,11 @@ def fused_layers(layers: list[DecoderLayer], x: torch.Tensor, batch: ForwardBatc
                  sin: torch.Tensor, cache: KVCache) -> torch.Tensor | None:
     """The layers over x [N, hidden] in one kernel call, when the step is a few tokens (at most the
     linear kernel's row limit) on a slot-major cache of the compute dtype; None when it is not, or
-    when a layer has hooks (`python -m train` watches one): those run module by module. QSA layers
-    take the call too, with their specs and the cache's pooled keys. cos, sin: [N, head_dim]."""
+    when a layer has hooks (`python -m train` watches one) or a row probes (its chosen layers hand
+    q to the probe): those run module by module. QSA layers take the call too, with their specs
+    and the cache's pooled keys. cos, sin: [N, head_dim]."""
     first = layers[0]
-    if not kernels.usable() or len(batch.slots) != batch.num_tokens \
+    if not kernels.usable() or batch.probes is not None or len(batch.slots) != batch.num_tokens \
             or batch.num_tokens > first.self_attn.qkv_proj.max_kernel_rows \
             or cache.slot_major(first.index, x.dtype) is None \
             or any(layer._forward_pre_hooks or layer._forward_hooks for layer in layers):

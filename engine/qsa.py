@@ -81,23 +81,31 @@ def allowed_keys(positions: torch.Tensor, length: int, kept: torch.Tensor | None
     return torch.where((visible > spec.keep)[:, None], sparse, causal)
 
 
+def attended(q: torch.Tensor, kpool: torch.Tensor, positions: torch.Tensor, length: int,
+             spec: LayerSpec) -> torch.Tensor:
+    """[T, length] bool: the keys queries q [T, heads, d] at `positions` attend in a QSA layer, given
+    pooled keys kpool [kv_heads, >= length//r, d]."""
+    past = positions // spec.ratio > spec.keep
+    if not bool(past.any()):
+        return allowed_keys(positions, length, None, spec)
+    kept = torch.zeros(len(positions), spec.keep, dtype=torch.long)
+    kept[past] = select_blocks(q[past], kpool, positions[past], spec)
+    return allowed_keys(positions, length, kept, spec)
+
+
 def sparse_keys(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, kpool: torch.Tensor,
                 positions: torch.Tensor, spec: LayerSpec):
     """What queries q [T, heads, d] at `positions` attend in a QSA layer, given a slot's keys and
     values [kv_heads, L, d] (L: the last query's position + 1) and pooled keys kpool
     [kv_heads, >= L//r, d]: (keys, values, mask [T, L'] bool or None), ready for the layer's
     ordinary attention. Within the budget these are exactly the dense path's inputs."""
-    past = positions // spec.ratio > spec.keep
-    if not bool(past.any()):
-        return keys, values, None if len(positions) == 1 else allowed_keys(positions, keys.shape[1], None, spec)
-    kept = select_blocks(q[past], kpool, positions[past], spec)
-    if len(positions) == 1:
-        # One query: gather its kept blocks and tail, so the cost follows the budget, not L.
-        p = int(positions[0])
-        blocks = kept[0].sort().values
-        index = torch.cat([(blocks[:, None] * spec.ratio + torch.arange(spec.ratio)).flatten(),
-                           torch.arange(p // spec.ratio * spec.ratio, p + 1)])
-        return keys[:, index], values[:, index], None
-    full = torch.zeros(len(positions), spec.keep, dtype=torch.long)
-    full[past] = kept
-    return keys, values, allowed_keys(positions, keys.shape[1], full, spec)
+    if len(positions) > 1:
+        return keys, values, attended(q, kpool, positions, keys.shape[1], spec)
+    p = int(positions[0])
+    if p // spec.ratio <= spec.keep:
+        return keys, values, None
+    # One query: gather its kept blocks and tail, so the cost follows the budget, not L.
+    blocks = select_blocks(q, kpool, positions, spec)[0].sort().values
+    index = torch.cat([(blocks[:, None] * spec.ratio + torch.arange(spec.ratio)).flatten(),
+                       torch.arange(p // spec.ratio * spec.ratio, p + 1)])
+    return keys[:, index], values[:, index], None

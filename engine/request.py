@@ -8,6 +8,7 @@ from typing import Callable
 
 import torch
 
+from engine.probe import LayerProbe, ProbeCapture
 from engine.sampling import SamplingParams
 
 
@@ -29,6 +30,7 @@ class RequestTimes:
     draft_n: int = 0
     draft_n_accepted: int = 0
     recomputed_n: int = 0  # positions computed again after preemption, beyond prompt_n
+    probe_recomputed: bool = False  # the prompt ran whole, its cached prefix unused, for an attention probe
 
 
 @dataclass
@@ -68,6 +70,8 @@ class Request:
     draft_n_accepted: int = 0
     draft: Draft = field(default_factory=Draft)  # proposed for the next step's verification
     generator: torch.Generator | None = None
+    probe: ProbeCapture | None = None  # an attention probe, capturing while the prompt runs
+    probe_result: list[LayerProbe] | None = None  # set when the prompt has run (engine/probe.py)
     t_submitted: float = field(default_factory=time.perf_counter)
     t_started: float = 0.0
     t_first_token: float = 0.0
@@ -102,4 +106,5 @@ class Request:
             predicted_n=len(self.output_ids) if predicted_n is None else predicted_n,
             predicted_ms=1000.0 * (end - first),
             draft_n=self.draft_n, draft_n_accepted=self.draft_n_accepted, recomputed_n=self.recomputed_n,
+            probe_recomputed=self.probe is not None and self.probe.spec.recomputes,
         )

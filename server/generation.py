@@ -10,8 +10,10 @@ from dataclasses import dataclass
 from typing import AsyncIterator
 
 from engine.errors import ConfigError
+from engine.probe import ProbeSpec
 from engine.sampling import SamplingParams
 from engine.tokenizer import IncrementalDecoder
+from server.probes import probe_body, probe_spec
 from server.protocol import APIError, FinishReason, SamplingFields, Timings
 from server.state import ServerState
 from server.stop import StopMatcher
@@ -38,6 +40,7 @@ class PreparedRequest:
     stops: list[str]
     cache_prompt: bool
     slot_id: int | None
+    probe: ProbeSpec | None = None
 
 
 @dataclass
@@ -52,12 +55,13 @@ class Final:
     finish_reason: FinishReason
     usage: dict
     timings: dict
+    attention_probe: dict | None = None  # when the request asked for one and its prompt ran
 
 
 def prepare(state: ServerState, body: SamplingFields, prompt_ids: list[int],
             n_logprobs: int | None) -> PreparedRequest:
     """Everything checked before a slot is taken: model name, lengths, sampling parameters (their
-    ranges are SamplingParams' rules), and room in the wait queue."""
+    ranges are SamplingParams' rules), the attention probe (ProbeSpec's), and room in the wait queue."""
     engine = state.runner.engine
     state.check_model(body.model)
     limit = body.token_limit
@@ -80,10 +84,13 @@ def prepare(state: ServerState, body: SamplingFields, prompt_ids: list[int],
             frequency_penalty=body.frequency_penalty, seed=body.seed,
             max_tokens=limit if limit is not None else engine.room_after(len(prompt_ids)),
             ignore_eos=body.ignore_eos, logit_bias=bias, logprobs=n_logprobs)
+        probe = None if body.attention_probe is None else probe_spec(body.attention_probe)
+        if probe is not None:
+            engine.check_probe(probe, len(prompt_ids))
     except ConfigError as e:
         raise _wire_error(e) from e
     _check_queue(state)
-    return PreparedRequest(prompt_ids, params, body.stop_strings, body.cache_prompt, body.id_slot)
+    return PreparedRequest(prompt_ids, params, body.stop_strings, body.cache_prompt, body.id_slot, probe)
 
 
 def _check_queue(state: ServerState) -> None:
@@ -102,7 +109,7 @@ async def run(state: ServerState, prepared: PreparedRequest) -> AsyncIterator[Pi
     consumer stops early (client gone), a stop string matches, or --timeout runs out (finish_reason
     "timeout"); a request the client left is counted in /metrics as cancelled."""
     stream = state.runner.submit(prepared.prompt_ids, prepared.params, cache_prompt=prepared.cache_prompt,
-                                 slot_id=prepared.slot_id)
+                                 slot_id=prepared.slot_id, probe=prepared.probe)
     decoder = IncrementalDecoder(state.runner.engine.tokenizer)
     matcher = StopMatcher(prepared.stops)
     timeout = state.settings.timeout
@@ -171,4 +178,5 @@ def _final(state: ServerState, req, reason: str, n_tokens: int, stopped_at: floa
     predicted = timings["predicted_n"]
     usage = {"prompt_tokens": n_prompt, "completion_tokens": predicted, "total_tokens": n_prompt + predicted}
     state.metrics.on_finished(timings)
-    return Final(reason, usage, timings)
+    probe = None if req.probe_result is None else probe_body(req.probe.spec, req.probe_result)
+    return Final(reason, usage, timings, probe)

@@ -69,7 +69,7 @@ def _sse(state: ServerState, prepared: PreparedRequest, fmt, include_usage: bool
             if isinstance(item, Final) and item.finish_reason == "error":
                 yield {"data": json.dumps(APIError(500, "the engine failed on this request").body())}
             elif isinstance(item, Final):
-                last = fmt.chunk(item)
+                last = fmt.final_chunk(item)
                 if include_usage:
                     yield {"data": json.dumps(last)}
                     last = {**fmt.envelope([], fmt.chunk_object), "usage": item.usage}
@@ -122,6 +122,14 @@ class _Format:
     def first_chunk(self) -> dict | None:
         return None
 
+    def final_chunk(self, final: Final) -> dict:
+        """The chunk with finish_reason, which carries the attention probe's result when there is one."""
+        return with_probe(self.chunk(final), final)
+
+
+def with_probe(body: dict, final: Final) -> dict:
+    return body if final.attention_probe is None else {**body, "attention_probe": final.attention_probe}
+
 
 class ChatFormat(_Format):
     prefix = "chatcmpl-"
@@ -144,7 +152,8 @@ class ChatFormat(_Format):
         message = {"role": "assistant", "content": "".join(p.text for p in pieces)}
         choice = {"index": 0, "message": message, "finish_reason": final.finish_reason,
                   "logprobs": {"content": self._logprobs(entries)} if entries else None}
-        return {**self.envelope([choice], "chat.completion"), "usage": final.usage, "timings": final.timings}
+        return with_probe({**self.envelope([choice], "chat.completion"), "usage": final.usage,
+                           "timings": final.timings}, final)
 
     def _logprobs(self, entries: list[dict]) -> list[dict]:
         def one(token: int, logprob: float) -> dict:
@@ -170,7 +179,8 @@ class TextFormat(_Format):
         entries = [e for p in pieces for e in (p.logprobs or [])]
         choice = {"index": 0, "text": "".join(p.text for p in pieces), "finish_reason": final.finish_reason,
                   "logprobs": self._logprobs(entries)}
-        return {**self.envelope([choice], "text_completion"), "usage": final.usage, "timings": final.timings}
+        return with_probe({**self.envelope([choice], "text_completion"), "usage": final.usage,
+                           "timings": final.timings}, final)
 
     def _logprobs(self, entries: list[dict] | None) -> dict | None:
         """The legacy completions shape: parallel lists per token."""

@@ -134,6 +134,32 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
+PROBE_QUERY_RULE = 'must be "last", "all", a prompt index or {"last": w} with w >= 1'
+
+
+class AttentionProbe(BaseModel):
+    """The request's `attention_probe` (docs/architecture.md, "Attention probes"): types and shapes
+    here; the limits and what needs the model or the prompt are engine.probe.ProbeSpec's rules."""
+    model_config = ConfigDict(extra="forbid")
+    layers: list[int] = Field(json_schema_extra=_NON_EMPTY)
+    kind: Literal["head_mean", "qk"] = "head_mean"
+    query: str | int | dict[str, int] = Field(default="last", json_schema_extra={"anyOf": [
+        {"type": "string", "enum": ["last", "all"]}, {"type": "integer"},
+        {"type": "object", "properties": {"last": {"type": "integer", "minimum": 1}}, "required": ["last"],
+         "additionalProperties": False}]})
+    group: int | None = Field(default=None, ge=1)
+    reduce: Literal["mean", "none"] | None = None
+
+    @field_validator("query", mode="before")
+    @classmethod
+    def _query(cls, v):
+        """One rule for every wrong form, rather than one complaint per member of the union."""
+        window = isinstance(v, dict) and list(v) == ["last"] and type(v["last"]) is int and v["last"] >= 1
+        if v in ("last", "all") or type(v) is int or window:
+            return v
+        raise ValueError(PROBE_QUERY_RULE)
+
+
 class SamplingFields(_Body):
     """Generation parameters common to chat and text completions (OpenAI names plus llama-server's)."""
     model: str | None = None
@@ -157,6 +183,7 @@ class SamplingFields(_Body):
     ignore_eos: bool = False
     cache_prompt: bool = True
     id_slot: int | None = None
+    attention_probe: AttentionProbe | None = None
 
     @field_validator("n")
     @classmethod
@@ -335,7 +362,8 @@ class Usage(BaseModel):
 
 class Timings(BaseModel):
     """llama-server's `timings`; draft_n and draft_n_accepted only when drafting ran, recomputed_n
-    (positions computed again after the request was preempted and resumed) only when it was."""
+    (positions computed again after the request was preempted and resumed) only when it was,
+    probe_recomputed only when an attention probe ran the prompt whole (its cached prefix unused)."""
     model_config = ConfigDict(extra="allow")
     cache_n: int
     prompt_n: int
@@ -349,6 +377,7 @@ class Timings(BaseModel):
     draft_n: int | None = None
     draft_n_accepted: int | None = None
     recomputed_n: int | None = None
+    probe_recomputed: bool | None = None
 
     @classmethod
     def of(cls, t) -> "Timings":
@@ -367,7 +396,7 @@ class Timings(BaseModel):
                    predicted_per_token_ms=per_token(t.predicted_ms, t.predicted_n),
                    predicted_per_second=per_second(t.predicted_ms, t.predicted_n),
                    draft_n=t.draft_n if drafted else None, draft_n_accepted=t.draft_n_accepted if drafted else None,
-                   recomputed_n=t.recomputed_n or None)
+                   recomputed_n=t.recomputed_n or None, probe_recomputed=t.probe_recomputed or None)
 
 
 # Why a response ended. "stop": end of text or a stop string or token; "length": max_tokens or the

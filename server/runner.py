@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from engine.engine import Engine, EngineConfig
 from engine.preflight import Headers
+from engine.probe import ProbeSpec
 from engine.request import Request, StepOutput
 from engine.sampling import SamplingParams
 
@@ -75,7 +76,7 @@ class EngineRunner:
         return thread
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, *, cache_prompt: bool,
-               slot_id: int | None) -> Stream:
+               slot_id: int | None, probe: ProbeSpec | None = None) -> Stream:
         """Called on the event loop, after the request was validated."""
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue = asyncio.Queue()
@@ -86,7 +87,8 @@ class EngineRunner:
             except RuntimeError:  # the loop closed during shutdown: nobody is listening
                 pass
 
-        request = self.engine.submit(prompt_ids, params, on_output, cache_prompt=cache_prompt, slot_id=slot_id)
+        request = self.engine.submit(prompt_ids, params, on_output, cache_prompt=cache_prompt, slot_id=slot_id,
+                                     probe=probe)
         return Stream(request, outputs, self)
 
     def stop(self) -> None:

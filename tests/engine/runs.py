@@ -5,15 +5,18 @@ from __future__ import annotations
 import queue
 
 from engine.engine import Engine
+from engine.probe import ProbeSpec
 from engine.request import Request
 from engine.sampling import SamplingParams
 
 
-def run_all(engine: Engine, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[Request]:
-    """`params`: one for all prompts, or one per prompt."""
+def run_all(engine: Engine, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
+            probes: list[ProbeSpec | None] | None = None, cache_prompt: bool = False) -> list[Request]:
+    """`params`: one for all prompts, or one per prompt; `probes`: one per prompt, or None for none."""
     per_prompt = params if isinstance(params, list) else [params] * len(prompts)
     outputs: queue.SimpleQueue = queue.SimpleQueue()
-    requests = [engine.submit(p, sp, outputs.put, cache_prompt=False) for p, sp in zip(prompts, per_prompt)]
+    requests = [engine.submit(p, sp, outputs.put, cache_prompt=cache_prompt, probe=probe)
+                for p, sp, probe in zip(prompts, per_prompt, probes or [None] * len(prompts))]
     finished = 0
     while finished < len(requests):
         while outputs.empty():
