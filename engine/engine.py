@@ -49,6 +49,12 @@ class EngineConfig:
     spec: SpecConfig | None = None
     compress_ratios: CompressRatios | None = None  # overrides the model's (and the draft's, in list form)
     qsa_budget: int | None = None  # overrides the model's
+    # Where the trunk's layers and the draft run (engine/placement.py): one stage per device, the
+    # layers split by count or in proportion (neither: as evenly as they go).
+    devices: tuple[str, ...] = ("cpu",)
+    layer_split: tuple[int, ...] | None = None
+    tensor_split: tuple[float, ...] | None = None
+    draft_device: str = "cpu"
 
     def __post_init__(self) -> None:
         kv_types = f"must be one of {', '.join(KV_DTYPES)}"
@@ -150,8 +156,9 @@ class Engine:
         # reports healthy only after load, and a first build takes about a minute.
         log.info("CPU kernels: %s", "ready" if kernels.available() else "unavailable, torch's ops instead")
         tensors = files.load_tensors()
+        placement = headers.placement
         model = Transformer(mc, tensors, config.dtype,
-                            max_positions=max(config.ctx_per_slot, mc.max_position_embeddings))
+                            max_positions=max(config.ctx_per_slot, mc.max_position_embeddings), placement=placement)
         drafter = None
         if config.spec is not None:
             drafter = load_drafter(config.spec, model, tensors, config.dtype, config.parallel, config.ctx_per_slot,
@@ -161,11 +168,11 @@ class Engine:
         kv_dtypes = tuple(KV_DTYPES[t] for t in config.kv_types)
         if config.kv_unified:
             cache = PagedKVCache(mc.num_layers, config.parallel, config.ctx_size, mc.num_kv_heads, mc.head_dim,
-                                 *kv_dtypes, specs=model.specs)
+                                 *kv_dtypes, specs=model.specs, devices=placement.layer_devices())
             slots = f"1 unified pool of {cache.capacity} positions for {config.parallel} slots"
         else:
             cache = KVCache(mc.num_layers, config.parallel, config.ctx_per_slot, mc.num_kv_heads, mc.head_dim,
-                            *kv_dtypes, specs=model.specs)
+                            *kv_dtypes, specs=model.specs, devices=placement.layer_devices())
             slots = f"{config.parallel} slots x {config.ctx_per_slot} ctx"
         log.info("KV cache: %s", describe_cache(model.specs, slots, cache.nbytes, cache.kpool_nbytes))
         eos = set(mc.eos_token_ids)
