@@ -16,8 +16,9 @@ import torch
 
 from engine import kernels
 from engine.batch import ForwardBatch
-from engine.drafter import Drafter, SpecConfig, Span, load_drafter
+from engine.drafter import CachedDrafter, Drafter, SpecConfig, Span, load_drafter
 from engine.errors import ConfigError, check_rules
+from engine.footprint import DeviceUsage, measure
 from engine.kv_cache import KV_DTYPES, KVCache, PagedKVCache
 from engine.model import Transformer
 from engine.options import CompressRatios
@@ -137,6 +138,7 @@ class Engine:
     _stopping: bool = False
     drafter: Drafter | None = None  # when speculation is on
     stats: EngineStats = field(default_factory=EngineStats)
+    devices: list[DeviceUsage] = field(default_factory=list)  # what each device holds, as loaded
 
     @classmethod
     def load(cls, config: EngineConfig, headers: Headers | None = None) -> "Engine":
@@ -162,7 +164,7 @@ class Engine:
         drafter = None
         if config.spec is not None:
             drafter = load_drafter(config.spec, model, tensors, config.dtype, config.parallel, config.ctx_per_slot,
-                                   headers.draft_ratios)
+                                   headers.draft_ratios, placement.draft_device)
         del tensors
         log.info("loaded %s (%s, %s) in %.1f s", files.path, mc.family, config.dtype, time.perf_counter() - t0)
         kv_dtypes = tuple(KV_DTYPES[t] for t in config.kv_types)
@@ -175,13 +177,20 @@ class Engine:
                             *kv_dtypes, specs=model.specs, devices=placement.layer_devices())
             slots = f"{config.parallel} slots x {config.ctx_per_slot} ctx"
         log.info("KV cache: %s", describe_cache(model.specs, slots, cache.nbytes, cache.kpool_nbytes))
+        if isinstance(drafter, CachedDrafter):  # a draft model, placed on its device
+            devices = measure(model, cache, placement.draft_device, drafter.model, drafter.cache)
+        else:
+            devices = measure(model, cache)
+        log.info("%d stage(s), pipeline depth 1", len(model.stages))
+        for usage in devices:
+            log.info("device %s", usage.describe())
         eos = set(mc.eos_token_ids)
         if tokenizer.eos_token_id is not None:
             eos.add(tokenizer.eos_token_id)
         margin = 1 if drafter is not None and drafter.needs_hidden else 0
         scheduler = Scheduler(config.parallel, config.ctx_per_slot, config.batch_size, config.ubatch_size, cache,
                               reuse_margin=margin, draft_max=config.spec.n_max if config.spec else 0)
-        return cls(config, files, model, tokenizer, cache, scheduler, frozenset(eos), drafter=drafter)
+        return cls(config, files, model, tokenizer, cache, scheduler, frozenset(eos), drafter=drafter, devices=devices)
 
     # -- any thread ---------------------------------------------------------------------------
 
