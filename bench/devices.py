@@ -1,6 +1,7 @@
 """`python -m bench.devices`: what splitting the trunk across devices costs, in one process: TG at
 batch 1 and the aggregate TG of 4 slots, the unsplit model against each placement asked for, in
-alternating runs; prints medians and each placement's ratio to unsplit.
+alternating runs; prints medians and each placement's ratio to unsplit, and first whether each
+placement's greedy tokens equal the unsplit model's (on a GPU: `--placements cuda:0,cpu cuda:0`).
 
     python -m bench.devices [-m default] [--placements cpu,cpu ...] [--runs 5] [--tokens 64]
                             [--threads 2] [--dtype f32]
@@ -39,6 +40,13 @@ def aggregate_tg(engine, tokens: int) -> float:
     return sum(len(r.output_ids) - 1 for r in requests) / (end - start)
 
 
+def greedy_tokens(engine, tokens: int) -> list[int]:
+    from engine.sampling import SamplingParams
+    params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+    return [t for out in engine.generate(engine.tokenizer.encode(PROMPT), params, cache_prompt=False)
+            for t in out.token_ids]
+
+
 def parse_placement(text: str) -> tuple[tuple[str, ...], tuple[int, ...] | None]:
     from engine.placement import parse_devices, parse_layer_split
     devices, _, split = text.partition("/")
@@ -65,8 +73,11 @@ def main(argv: list[str] | None = None) -> None:
                                                  threads=a.threads, devices=devices, layer_split=split))
         engines[name].start()
         print(f"{name}: stages of {[len(s.layers) for s in engines[name].model.stages]} layers", flush=True)
-    for engine in engines.values():  # warm-up
-        engine_tg(engine, 8)
+    greedy = {name: greedy_tokens(engine, a.tokens) for name, engine in engines.items()}  # also the warm-up
+    for name in a.placements:
+        same = greedy[name] == greedy["unsplit"]
+        print(f"{name}: greedy tokens {'equal' if same else 'DIFFER from'} unsplit's"
+              + ("" if same else f" ({greedy[name]} vs {greedy['unsplit']})"), flush=True)
     rows: dict[str, list[float]] = {}
     for run in range(a.runs):
         for name, engine in engines.items():
