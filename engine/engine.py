@@ -22,6 +22,7 @@ from engine.footprint import DeviceUsage, measure
 from engine.kv_cache import KV_DTYPES, KVCache, PagedKVCache
 from engine.model import Transformer
 from engine.options import CompressRatios
+from engine.placement import is_device_name
 from engine.preflight import Headers, describe_cache, read_headers
 from engine.quant import DTYPES
 from engine.request import Draft, Request, Status, StepOutput
@@ -72,6 +73,9 @@ class EngineConfig:
             (self.batch_size >= self.parallel, "batch_size", self.batch_size,
              f"must be at least parallel={self.parallel}"),
             (self.threads is None or self.threads >= 1, "threads", self.threads, "must be >= 1"),
+            (len(self.devices) >= 1 and all(map(is_device_name, self.devices)), "devices", self.devices,
+             "must be one or more of cpu, cuda:N"),
+            (is_device_name(self.draft_device), "draft_device", self.draft_device, "must be cpu or cuda:N"),
         ])
 
     @property

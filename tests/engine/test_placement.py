@@ -11,6 +11,7 @@ from engine import kernels
 from engine.arena import move_to_huge_pages
 from engine.batch import ForwardBatch, Row
 from engine.drafter import SpecConfig
+from engine.errors import ConfigError
 from engine.engine import Engine, EngineConfig
 from engine.kv_cache import KV_DTYPES, KVCache, PagedKVCache
 from engine.model import Transformer
@@ -193,3 +194,14 @@ def test_a_split_that_does_not_fit_the_trunk_names_field_value_and_rule(kwargs, 
 def test_no_split_spreads_the_layers_as_evenly_as_they_go():
     assert Placement.resolve(30, ("cpu", "cuda:0")).layer_split == (15, 15)
     assert Placement.resolve(30, ("cpu", "cuda:0", "cuda:1", "cuda:2")).layer_split == (8, 7, 8, 7)
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"devices": ("cpu", "gpu")}, "devices=('cpu', 'gpu'): must be one or more of cpu, cuda:N"),
+    ({"devices": ()}, "devices=(): must be one or more of cpu, cuda:N"),
+    ({"draft_device": "cuda"}, "draft_device='cuda': must be cpu or cuda:N"),
+])
+def test_an_engine_config_takes_device_names_as_the_flags_give_them(kwargs, message):
+    with pytest.raises(ConfigError) as e:
+        EngineConfig(**kwargs)
+    assert str(e.value) == message
