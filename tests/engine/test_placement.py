@@ -4,6 +4,9 @@ prefill, decode, parallel slots, MTP speculation, a q8_0 cache and the unified p
 rules (splits, proportions) and what each device is reported to hold."""
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -13,11 +16,13 @@ from engine.batch import ForwardBatch, Row
 from engine.drafter import SpecConfig
 from engine.errors import ConfigError
 from engine.engine import Engine, EngineConfig
+from engine.footprint import measure
 from engine.kv_cache import KV_DTYPES, KVCache, PagedKVCache
-from engine.model import Transformer
+from engine.model import Transformer, embed_rows, embedding_table
 from engine.options import CompressRatios
 from engine.placement import Placement, split_by_proportions
 from engine.sampling import SamplingParams
+from engine.tiny import write_tiny_model
 from engine.weights import open_model
 from tests.engine.runs import run_all
 from tests.engine.test_qsa_engine import write_llama8_with_drafts
@@ -205,3 +210,32 @@ def test_an_engine_config_takes_device_names_as_the_flags_give_them(kwargs, mess
     with pytest.raises(ConfigError) as e:
         EngineConfig(**kwargs)
     assert str(e.value) == message
+
+
+@pytest.mark.parametrize("dtype", ["f32", "int8", "bf16"])
+@pytest.mark.parametrize("name", ["llama", "mistral"])  # tied, untied
+def test_an_embedding_copy_embeds_exactly_what_the_model_does(tmp_path, name, dtype):
+    """A first stage or a draft on another device than the lm_head gets its own table: the same rows,
+    in the same format (a tied table's int8 rows, not the f32 ones)."""
+    config = json.loads((Path(__file__).parents[2] / "configs/tiny" / f"{name}.json").read_text())
+    files = open_model(str(write_tiny_model(config, tmp_path / name, seed=3)))
+    tensors = files.load_tensors()
+    model = Transformer(files.config, tensors, dtype, max_positions=16)
+    ids = torch.tensor([0, 5, 300, 5])
+    copy = embed_rows(embedding_table(files.config, tensors, dtype), ids, model.compute_dtype)
+    assert torch.equal(copy, model.embed_tokens(ids))
+
+
+def test_a_draft_with_its_own_embedding_counts_as_a_copy_on_its_device(llama8):
+    spec = SpecConfig(type="draft-mtp", draft_model=str(llama8 / "draft.safetensors"))
+    engine = Engine.load(EngineConfig(model=str(llama8), ctx_size=64, parallel=1, spec=spec))
+    draft = engine.drafter.model
+    assert draft.embed is None  # the target's first stage is on the draft's device: shared
+    [cpu] = measure(engine.model, engine.cache, "cpu", draft, engine.drafter.cache)
+    assert (cpu.embedding_copies, cpu.draft) == (1, True)
+    files = open_model(str(llama8))
+    draft.embed = embedding_table(files.config, files.load_tensors(), "f32")  # as on another device
+    [cpu] = measure(engine.model, engine.cache, "cpu", draft, engine.drafter.cache)
+    assert cpu.embedding_copies == 2
+    ids = torch.tensor([3, 9])
+    assert torch.equal(draft.embed_tokens(ids), engine.model.embed_tokens(ids))
