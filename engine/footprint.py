@@ -18,6 +18,7 @@ import torch
 
 from engine.config import ModelConfig
 from engine.errors import ConfigError
+from engine.kv_cache import KV_BYTES_PER_VALUE
 from engine.mtp import MTPDraft
 from engine.placement import Placement
 from engine.quant import BYTES_PER_WEIGHT, compute_dtype
@@ -26,8 +27,6 @@ from engine.weights import open_model
 if TYPE_CHECKING:
     from engine.engine import EngineConfig
 
-# Bytes per cached value: q8_0 holds an int8 and one f16 scale per block of 32.
-KV_BYTES = {"f32": 4.0, "f16": 2.0, "bf16": 2.0, "q8_0": 1 + 2 / 32}
 MIB = 2**20
 
 
@@ -50,7 +49,7 @@ def layer_weight_bytes(c: ModelConfig, dtype: str) -> int:
 
 def layer_kv_bytes(c: ModelConfig, ratio: int, positions: int, kv_types: tuple[str, str]) -> int:
     """One layer's K and V for `positions` positions, and its pooled keys when it is a QSA layer."""
-    kv = positions * c.kv_size * (KV_BYTES[kv_types[0]] + KV_BYTES[kv_types[1]])
+    kv = positions * c.kv_size * (KV_BYTES_PER_VALUE[kv_types[0]] + KV_BYTES_PER_VALUE[kv_types[1]])
     return int(kv + (positions // ratio * c.kv_size * 4 if ratio else 0))
 
 
