@@ -14,7 +14,6 @@ from engine.quant import BYTES_PER_WEIGHT
 from engine.weights import open_model
 
 
-
 def _size(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if n < 1024 or unit == "GiB":
