@@ -16,11 +16,12 @@ from engine.batch import ForwardBatch, Row
 from engine.drafter import SpecConfig
 from engine.errors import ConfigError
 from engine.engine import Engine, EngineConfig
-from engine.footprint import measure
+from engine.footprint import device_needs, measure
 from engine.kv_cache import KV_DTYPES, KVCache, PagedKVCache
 from engine.model import Transformer, embed_rows, embedding_table
 from engine.options import CompressRatios
 from engine.placement import Placement, split_by_proportions
+from engine.preflight import read_headers
 from engine.sampling import SamplingParams
 from engine.tiny import write_tiny_model
 from engine.weights import open_model
@@ -239,3 +240,19 @@ def test_a_draft_with_its_own_embedding_counts_as_a_copy_on_its_device(llama8):
     assert cpu.embedding_copies == 2
     ids = torch.tensor([3, 9])
     assert torch.equal(draft.embed_tokens(ids), engine.model.embed_tokens(ids))
+
+
+@pytest.mark.parametrize("options", [{}, {"kv_unified": True}, {"cache_type": "bf16", "dtype": "int8"},
+                                     {"compress_ratios": CompressRatios.parse("every4:4"), "qsa_budget": 8}])
+def test_the_fit_estimate_is_what_the_engine_allocates(llama8, options):
+    """The check before load counts the same K, V, pooled keys and layer and lm_head weights as the
+    engine then allocates."""
+    config = EngineConfig(model=str(llama8), ctx_size=256, parallel=2, devices=("cpu", "cpu"), **options)
+    headers = read_headers(config)
+    [need] = device_needs(config, headers.model, headers.placement, 0).values()
+    engine = Engine.load(config, headers)
+    [cpu] = engine.devices
+    assert need.kv == cpu.kv_bytes
+    weights = sum(b.nbytes for layer in engine.model.layers for b in layer.buffers()) + \
+        sum(b.nbytes for b in engine.model.lm_head.buffers())
+    assert need.weights == weights
