@@ -1,7 +1,7 @@
 """ForwardBatch: everything one forward pass needs, built once per engine step."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING
 
 import torch
@@ -37,6 +37,8 @@ class ForwardBatch:
     # Per row, the probe that captures from it (engine/probe.py); None when no row probes, the
     # common case, which then runs exactly as without probes.
     probes: list[ProbeCapture | None] | None = None
+    # This batch's tensors on each other device a stage runs on, moved once per step.
+    _copies: dict = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
     def build(cls, rows: list[Row], probes: list[ProbeCapture | None] | None = None) -> "ForwardBatch":
@@ -53,6 +55,16 @@ class ForwardBatch:
         return cls(rows, torch.tensor(tokens, dtype=torch.long), torch.tensor(positions, dtype=torch.long), masks,
                    index, decode_slots, starts, torch.tensor(slots, dtype=torch.long), probes)
 
+    def on(self, device: torch.device) -> "ForwardBatch":
+        """The batch with its tensors on `device`: itself where they already are, else a copy made
+        once and kept for the other stages and layers on that device."""
+        if self.positions.device == device:
+            return self
+        if device not in self._copies:
+            moved = {f.name: _to(getattr(self, f.name), device) for f in fields(self) if f.name != "_copies"}
+            self._copies[device] = ForwardBatch(**moved)
+        return self._copies[device]
+
     @property
     def num_tokens(self) -> int:
         return self.token_ids.shape[0]
@@ -61,6 +73,14 @@ class ForwardBatch:
         """Index into the N tokens of each row's last token."""
         ends = torch.tensor([len(r.tokens) for r in self.rows]).cumsum(0)
         return ends - 1
+
+
+def _to(value, device: torch.device):
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, list):
+        return [_to(v, device) for v in value]
+    return value
 
 
 def causal_mask(start: int, n: int) -> torch.Tensor:

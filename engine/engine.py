@@ -16,11 +16,13 @@ import torch
 
 from engine import kernels
 from engine.batch import ForwardBatch
-from engine.drafter import Drafter, SpecConfig, Span, load_drafter
+from engine.drafter import CachedDrafter, Drafter, SpecConfig, Span, load_drafter
 from engine.errors import ConfigError, check_rules
+from engine.footprint import DeviceUsage, measure
 from engine.kv_cache import KV_DTYPES, KVCache, PagedKVCache
 from engine.model import Transformer
 from engine.options import CompressRatios
+from engine.placement import is_device_name
 from engine.preflight import Headers, describe_cache, read_headers
 from engine.probe import ProbeCapture, ProbeSpec
 from engine.quant import DTYPES
@@ -50,6 +52,12 @@ class EngineConfig:
     spec: SpecConfig | None = None
     compress_ratios: CompressRatios | None = None  # overrides the model's (and the draft's, in list form)
     qsa_budget: int | None = None  # overrides the model's
+    # Where the trunk's layers and the draft run (engine/placement.py): one stage per device, the
+    # layers split by count or in proportion (neither: as evenly as they go).
+    devices: tuple[str, ...] = ("cpu",)
+    layer_split: tuple[int, ...] | None = None
+    tensor_split: tuple[float, ...] | None = None
+    draft_device: str = "cpu"
 
     def __post_init__(self) -> None:
         kv_types = f"must be one of {', '.join(KV_DTYPES)}"
@@ -66,6 +74,9 @@ class EngineConfig:
             (self.batch_size >= self.parallel, "batch_size", self.batch_size,
              f"must be at least parallel={self.parallel}"),
             (self.threads is None or self.threads >= 1, "threads", self.threads, "must be >= 1"),
+            (len(self.devices) >= 1 and all(map(is_device_name, self.devices)), "devices", self.devices,
+             "must be one or more of cpu, cuda:N"),
+            (is_device_name(self.draft_device), "draft_device", self.draft_device, "must be cpu or cuda:N"),
         ])
 
     @property
@@ -132,6 +143,7 @@ class Engine:
     _stopping: bool = False
     drafter: Drafter | None = None  # when speculation is on
     stats: EngineStats = field(default_factory=EngineStats)
+    devices: list[DeviceUsage] = field(default_factory=list)  # what each device holds, as loaded
 
     @classmethod
     def load(cls, config: EngineConfig, headers: Headers | None = None) -> "Engine":
@@ -151,31 +163,39 @@ class Engine:
         # reports healthy only after load, and a first build takes about a minute.
         log.info("CPU kernels: %s", "ready" if kernels.available() else "unavailable, torch's ops instead")
         tensors = files.load_tensors()
+        placement = headers.placement
         model = Transformer(mc, tensors, config.dtype,
-                            max_positions=max(config.ctx_per_slot, mc.max_position_embeddings))
+                            max_positions=max(config.ctx_per_slot, mc.max_position_embeddings), placement=placement)
         drafter = None
         if config.spec is not None:
             drafter = load_drafter(config.spec, model, tensors, config.dtype, config.parallel, config.ctx_per_slot,
-                                   headers.draft_ratios)
+                                   headers.draft_ratios, placement.draft_device)
         del tensors
         log.info("loaded %s (%s, %s) in %.1f s", files.path, mc.family, config.dtype, time.perf_counter() - t0)
         kv_dtypes = tuple(KV_DTYPES[t] for t in config.kv_types)
         if config.kv_unified:
             cache = PagedKVCache(mc.num_layers, config.parallel, config.ctx_size, mc.num_kv_heads, mc.head_dim,
-                                 *kv_dtypes, specs=model.specs)
+                                 *kv_dtypes, specs=model.specs, devices=placement.layer_devices())
             slots = f"1 unified pool of {cache.capacity} positions for {config.parallel} slots"
         else:
             cache = KVCache(mc.num_layers, config.parallel, config.ctx_per_slot, mc.num_kv_heads, mc.head_dim,
-                            *kv_dtypes, specs=model.specs)
+                            *kv_dtypes, specs=model.specs, devices=placement.layer_devices())
             slots = f"{config.parallel} slots x {config.ctx_per_slot} ctx"
         log.info("KV cache: %s", describe_cache(model.specs, slots, cache.nbytes, cache.kpool_nbytes))
+        if isinstance(drafter, CachedDrafter):  # a draft model, placed on its device
+            devices = measure(model, cache, placement.draft_device, drafter.model, drafter.cache)
+        else:
+            devices = measure(model, cache)
+        log.info("%d stage(s), pipeline depth 1", len(model.stages))
+        for usage in devices:
+            log.info("device %s", usage.describe())
         eos = set(mc.eos_token_ids)
         if tokenizer.eos_token_id is not None:
             eos.add(tokenizer.eos_token_id)
         margin = 1 if drafter is not None and drafter.needs_hidden else 0
         scheduler = Scheduler(config.parallel, config.ctx_per_slot, config.batch_size, config.ubatch_size, cache,
                               reuse_margin=margin, draft_max=config.spec.n_max if config.spec else 0)
-        return cls(config, files, model, tokenizer, cache, scheduler, frozenset(eos), drafter=drafter)
+        return cls(config, files, model, tokenizer, cache, scheduler, frozenset(eos), drafter=drafter, devices=devices)
 
     # -- any thread ---------------------------------------------------------------------------
 

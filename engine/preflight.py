@@ -1,6 +1,7 @@
 """What an engine config asks of its files, checked from their headers before any weights are read.
 
-`read_headers` is the one validation path for a model, its draft and the compression flags: the
+`read_headers` is the one validation path for a model, its draft, the compression flags and the
+placement on devices (that they exist and the model fits them, engine/footprint.py): the
 server calls it before it starts listening (a bad value exits 2 with one message), and
 `Engine.load` calls it first.
 """
@@ -12,7 +13,9 @@ from typing import TYPE_CHECKING
 from engine.config import ModelConfig, with_compression
 from engine.drafter import check_draft_files
 from engine.errors import ConfigError
+from engine.footprint import check_devices, check_fit
 from engine.kv_cache import PagedKVCache
+from engine.placement import Placement
 from engine.qsa import LayerSpec
 from engine.weights import ModelFiles, open_model
 
@@ -25,6 +28,7 @@ class Headers:
     files: ModelFiles
     model: ModelConfig  # the target's, with --compress-ratios and --qsa-budget applied
     draft_ratios: tuple[int, ...]  # the detached MTP draft's layers' (empty without one)
+    placement: Placement  # the trunk's stages and the draft's device
 
 
 def read_headers(config: "EngineConfig") -> Headers:
@@ -36,7 +40,14 @@ def read_headers(config: "EngineConfig") -> Headers:
     unpaged = sorted({r for r in model.layer_ratios if r and page % r})
     if config.kv_unified and unpaged:
         raise ConfigError(f"compress_ratios: ratio {unpaged[0]} must divide the KV page size {page} with kv_unified")
-    return Headers(files, model, draft_ratios)
+    try:
+        placement = Placement.resolve(model.num_layers, config.devices, config.layer_split, config.tensor_split,
+                                      config.draft_device)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    check_devices(placement)
+    check_fit(config, model, placement, len(draft_ratios))
+    return Headers(files, model, draft_ratios, placement)
 
 
 def describe_cache(specs: list[LayerSpec], slots: str, kv_bytes: int, kpool_bytes: int) -> str:

@@ -94,6 +94,9 @@ def create_app(state: ServerState, on_load_failure: Callable[[BaseException], No
             "chat_template": engine.tokenizer.chat_template or "",
             "compress_ratios": list(engine.model.config.layer_ratios),
             "qsa_budget": engine.model.config.qsa_budget,
+            # Where the model runs (engine/placement.py); one process steps one micro-batch at a time.
+            "devices": [usage.as_dict() for usage in engine.devices],
+            "stages": len(engine.model.stages), "pipeline_depth": 1, "draft_device": c.draft_device,
         }
 
     @app.get("/slots")
