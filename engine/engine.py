@@ -21,6 +21,9 @@ from engine.errors import ConfigError, check_rules
 from engine.kv_cache import KV_DTYPES, KVCache, PagedKVCache
 from engine.model import Transformer
 from engine.options import CompressRatios
+from engine.pipeline.head import MirroredCache, PipelineError, RemoteStages, pipelined_forward
+from engine.pipeline.ranks import Rank, join, stage_layers
+from engine.pipeline.transport import Link
 from engine.preflight import Headers, describe_cache, read_headers
 from engine.quant import DTYPES
 from engine.request import Draft, Request, Status, StepOutput
@@ -49,6 +52,9 @@ class EngineConfig:
     spec: SpecConfig | None = None
     compress_ratios: CompressRatios | None = None  # overrides the model's (and the draft's, in list form)
     qsa_budget: int | None = None  # overrides the model's
+    pipeline_parallel_size: int = 1  # processes the trunk's stages run in (engine/pipeline)
+    pipeline_depth: int | None = None  # micro-batches a step splits into; None: one per stage
+    pipeline_timeout: float = 8.0  # seconds the head waits for the stages' answer to one micro-batch
 
     def __post_init__(self) -> None:
         kv_types = f"must be one of {', '.join(KV_DTYPES)}"
@@ -65,6 +71,10 @@ class EngineConfig:
             (self.batch_size >= self.parallel, "batch_size", self.batch_size,
              f"must be at least parallel={self.parallel}"),
             (self.threads is None or self.threads >= 1, "threads", self.threads, "must be >= 1"),
+            (self.pipeline_parallel_size >= 1, "pipeline_parallel_size", self.pipeline_parallel_size, "must be >= 1"),
+            (self.pipeline_depth is None or self.pipeline_depth >= 1, "pipeline_depth", self.pipeline_depth,
+             "must be >= 1"),
+            (self.pipeline_timeout > 0, "pipeline_timeout", self.pipeline_timeout, "must be > 0"),
         ])
 
     @property
@@ -131,11 +141,21 @@ class Engine:
     _stopping: bool = False
     drafter: Drafter | None = None  # when speculation is on
     stats: EngineStats = field(default_factory=EngineStats)
+    remote: RemoteStages | None = None  # stages 1.. in worker processes (-pp)
+    stage_layers: list[range] = field(default_factory=list)  # each stage's trunk layers (one stage: all)
+
+    @property
+    def failure(self) -> str | None:
+        """Why the engine can serve nothing more (a pipeline stage was lost), else None."""
+        return self.remote.failure if self.remote is not None else None
 
     @classmethod
-    def load(cls, config: EngineConfig, headers: Headers | None = None) -> "Engine":
+    def load(cls, config: EngineConfig, headers: Headers | None = None, rank: Rank | None = None,
+             describe_loss=lambda rank, error: None) -> "Engine":
         """headers: `read_headers(config)` when the caller has already checked them (the server
-        does before it listens; reading a GGUF file's headers takes seconds)."""
+        does before it listens; reading a GGUF file's headers takes seconds). rank: the head's,
+        with -pp (ranks.Rank); it meets the workers once its own stage is loaded. describe_loss:
+        RemoteStages' account of a lost stage."""
         if config.threads:
             torch.set_num_threads(config.threads)
         if headers is None:
@@ -149,9 +169,11 @@ class Engine:
         # Build (or find) the CPU kernels now, not in the first request's forward: the server
         # reports healthy only after load, and a first build takes about a minute.
         log.info("CPU kernels: %s", "ready" if kernels.available() else "unavailable, torch's ops instead")
-        tensors = files.load_tensors()
+        stages = stage_layers(mc.num_layers, config.pipeline_parallel_size) if rank is not None else None
+        tensors = files.load_tensors(stages[0] if stages else None)
         model = Transformer(mc, tensors, config.dtype,
-                            max_positions=max(config.ctx_per_slot, mc.max_position_embeddings))
+                            max_positions=max(config.ctx_per_slot, mc.max_position_embeddings),
+                            layers=stages[0] if stages else None)
         drafter = None
         if config.spec is not None:
             drafter = load_drafter(config.spec, model, tensors, config.dtype, config.parallel, config.ctx_per_slot,
@@ -160,11 +182,11 @@ class Engine:
         log.info("loaded %s (%s, %s) in %.1f s", files.path, mc.family, config.dtype, time.perf_counter() - t0)
         kv_dtypes = tuple(KV_DTYPES[t] for t in config.kv_types)
         if config.kv_unified:
-            cache = PagedKVCache(mc.num_layers, config.parallel, config.ctx_size, mc.num_kv_heads, mc.head_dim,
+            cache = PagedKVCache(len(model.specs), config.parallel, config.ctx_size, mc.num_kv_heads, mc.head_dim,
                                  *kv_dtypes, specs=model.specs)
             slots = f"1 unified pool of {cache.capacity} positions for {config.parallel} slots"
         else:
-            cache = KVCache(mc.num_layers, config.parallel, config.ctx_per_slot, mc.num_kv_heads, mc.head_dim,
+            cache = KVCache(len(model.specs), config.parallel, config.ctx_per_slot, mc.num_kv_heads, mc.head_dim,
                             *kv_dtypes, specs=model.specs)
             slots = f"{config.parallel} slots x {config.ctx_per_slot} ctx"
         log.info("KV cache: %s", describe_cache(model.specs, slots, cache.nbytes, cache.kpool_nbytes))
@@ -172,9 +194,19 @@ class Engine:
         if tokenizer.eos_token_id is not None:
             eos.add(tokenizer.eos_token_id)
         margin = 1 if drafter is not None and drafter.needs_hidden else 0
-        scheduler = Scheduler(config.parallel, config.ctx_per_slot, config.batch_size, config.ubatch_size, cache,
+        remote = None
+        if rank is not None:
+            log.info("pipeline: %d stages in %d processes, depth %d; this head runs stage 0 (layers %s), "
+                     "ranks 1..%d the others (%s)", len(stages), rank.world, config.pipeline_depth or len(stages),
+                     _layer_span(stages[0]), rank.world - 1, ", ".join(_layer_span(s) for s in stages[1:]))
+            join(rank)
+            remote = RemoteStages(Link(0, rank.world, mc.hidden_size, model.compute_dtype), config.pipeline_timeout,
+                                  describe_loss)
+        scheduler = Scheduler(config.parallel, config.ctx_per_slot, config.batch_size, config.ubatch_size,
+                              MirroredCache(cache, remote.queued) if remote is not None else cache,
                               reuse_margin=margin, draft_max=config.spec.n_max if config.spec else 0)
-        return cls(config, files, model, tokenizer, cache, scheduler, frozenset(eos), drafter=drafter)
+        return cls(config, files, model, tokenizer, cache, scheduler, frozenset(eos), drafter=drafter, remote=remote,
+                   stage_layers=stages or [range(mc.num_layers)])
 
     # -- any thread ---------------------------------------------------------------------------
 
@@ -230,6 +262,8 @@ class Engine:
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout=30)
+        if self.remote is not None and (self._thread is None or not self._thread.is_alive()):
+            self.remote.close()
 
     def generate(self, prompt_ids: list[int], params: SamplingParams, **kwargs):
         """Yield the StepOutputs of one request; steps inline when no engine thread runs."""
@@ -253,13 +287,25 @@ class Engine:
             if not self.scheduler.has_work():
                 self._wake.wait(timeout=0.5)
                 self._wake.clear()
+                self._keepalive()
                 continue
             try:
                 self.step()
             except Exception:  # a bug outside the guarded parts (planning): fail what is in flight
                 log.exception("engine step failed; finishing the running requests with an error")
-                for req in self.scheduler.running + list(self.scheduler.waiting):
-                    self._fail(req)
+                self._fail_all()
+
+    def _keepalive(self) -> None:
+        if self.remote is None:
+            return
+        try:
+            self.remote.keepalive()
+        except PipelineError as e:
+            log.error("%s; failing every request", e)
+
+    def _fail_all(self) -> None:
+        for req in self.scheduler.running + list(self.scheduler.waiting):
+            self._fail(req)
 
     def _drain_inbox(self) -> None:
         while not self._inbox.empty():
@@ -281,6 +327,10 @@ class Engine:
         self.stats.busy_slots += len(plan.rows)
         try:
             out = self._forward(plan.rows)
+        except PipelineError as e:  # nothing can run any more: fail what is in flight, and what comes
+            log.error("%s; failing every request", e)
+            self._fail_all()
+            return
         except Exception:
             log.exception("forward failed; failing the %d request(s) in this step", len(plan.rows))
             for p in plan.rows:
@@ -315,7 +365,11 @@ class Engine:
 
     def _forward(self, rows: list[PlannedRow]) -> "StepResult":
         batch = ForwardBatch.build([p.row for p in rows])
-        hidden = self.model(batch, self.cache)
+        if self.remote is not None:
+            depth = self.config.pipeline_depth or self.config.pipeline_parallel_size
+            hidden = pipelined_forward(self.model, self.remote, depth, batch, self.cache)
+        else:
+            hidden = self.model(batch, self.cache)
         starts = (batch.last_token_indices() + 1 - torch.tensor([len(p.row.tokens) for p in rows])).tolist()
         index, firsts = [], []
         for p, start in zip(rows, starts):
@@ -399,3 +453,7 @@ class StepResult:
     starts: list[int]  # each row's first token in `hidden`
     firsts: list[int]  # each row's first position in `logits`
     now: float
+
+
+def _layer_span(layers: range) -> str:
+    return f"{layers.start}..{layers.stop - 1}"

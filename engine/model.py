@@ -207,7 +207,8 @@ class Transformer(nn.Module):
     """Built from f32 tensors under HF names; `dtype` is the weight format (f32, bf16, int8)."""
 
     def __init__(self, config: ModelConfig, tensors: dict[str, torch.Tensor], dtype: str = "f32",
-                 max_positions: int | None = None):
+                 max_positions: int | None = None, layers: range | None = None):
+        """layers: the trunk layers built here (a pipeline head's stage 0; default: all)."""
         super().__init__()
         self.config, self.dtype = config, dtype
         self.compute_dtype = compute_dtype(dtype)
@@ -216,8 +217,9 @@ class Transformer(nn.Module):
         # A tied embedding is read from the lm_head's (possibly quantized) rows: one copy in memory.
         self.embed = None if config.tie_word_embeddings else \
             tensors["model.embed_tokens.weight"].to(self.compute_dtype)
-        self.layers = nn.ModuleList(DecoderLayer(config, tensors, i, dtype, LayerSpec.of(ratio, config.qsa_budget))
-                                    for i, ratio in enumerate(config.layer_ratios))
+        self.layers = nn.ModuleList(DecoderLayer(config, tensors, i, dtype,
+                                                 LayerSpec.of(config.layer_ratios[i], config.qsa_budget))
+                                    for i in layers or range(config.num_layers))
         self.norm = RMSNorm(tensors["model.norm.weight"], config.rms_norm_eps, self.compute_dtype)
         cos, sin = rope_table(config.rope, config.head_dim, max_positions or config.max_position_embeddings)
         self.register_buffer("cos", cos.to(self.compute_dtype))
@@ -237,8 +239,13 @@ class Transformer(nn.Module):
     def forward(self, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
         """Runs the batch, writing its K/V into the cache. Returns hidden states after the final
         norm, [N, hidden]: the vectors that feed the lm_head (and the MTP draft)."""
+        return self.norm(self.run_local(batch, cache))
+
+    @torch.inference_mode()
+    def run_local(self, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
+        """The embedding, then the layers built here: [N, hidden] before the final norm."""
         x = self.embed_tokens(batch.token_ids)
-        return self.norm(run_layers(self.layers, x, batch, self.cos[batch.positions], self.sin[batch.positions], cache))
+        return run_layers(self.layers, x, batch, self.cos[batch.positions], self.sin[batch.positions], cache)
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

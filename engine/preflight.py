@@ -36,6 +36,9 @@ def read_headers(config: "EngineConfig") -> Headers:
     unpaged = sorted({r for r in model.layer_ratios if r and page % r})
     if config.kv_unified and unpaged:
         raise ConfigError(f"compress_ratios: ratio {unpaged[0]} must divide the KV page size {page} with kv_unified")
+    if config.pipeline_parallel_size > model.num_layers:
+        raise ConfigError(f"pipeline_parallel_size={config.pipeline_parallel_size}: must be at most the model's "
+                          f"{model.num_layers} trunk layers (one or more per stage)")
     return Headers(files, model, draft_ratios)
 
 

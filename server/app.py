@@ -58,6 +58,8 @@ def create_app(state: ServerState, on_load_failure: Callable[[BaseException], No
             return JSONResponse(error_body(500, f"Model failed to load: {state.runner.load_error}"), status_code=500)
         if not state.runner.ready:
             return JSONResponse(error_body(503, "Loading model"), status_code=503)
+        if state.runner.engine.failure is not None:
+            return JSONResponse(error_body(500, f"Engine failed: {state.runner.engine.failure}"), status_code=500)
         return {"status": "ok"}
 
     @app.get("/v1/models")
@@ -92,6 +94,9 @@ def create_app(state: ServerState, on_load_failure: Callable[[BaseException], No
             "chat_template": engine.tokenizer.chat_template or "",
             "compress_ratios": list(engine.model.config.layer_ratios),
             "qsa_budget": engine.model.config.qsa_budget,
+            "pipeline": {"stages": c.pipeline_parallel_size, "ranks": c.pipeline_parallel_size,
+                         "depth": c.pipeline_depth or c.pipeline_parallel_size,
+                         "stage_layers": [[s.start, s.stop] for s in engine.stage_layers]},
         }
 
     @app.get("/slots")

@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass, field
 
 from engine.engine import Engine, EngineConfig
+from engine.pipeline.ranks import LocalWorkers, Rank
 from engine.preflight import Headers
 from engine.request import Request, StepOutput
 from engine.sampling import SamplingParams
@@ -45,8 +46,10 @@ class EngineRunner:
     """Loads the engine off the event loop, then submits requests to it; counts in-flight streams
     so that a graceful shutdown can wait for them."""
 
-    def __init__(self, config: EngineConfig, headers: Headers | None = None):
-        self.config, self.headers = config, headers
+    def __init__(self, config: EngineConfig, headers: Headers | None = None, rank: Rank | None = None,
+                 workers: LocalWorkers | None = None):
+        """rank: the head's with -pp; workers: the ones it started itself, if it did."""
+        self.config, self.headers, self.rank, self.workers = config, headers, rank, workers
         self.engine: Engine | None = None
         self.load_error: BaseException | None = None
         self.in_flight = 0
@@ -59,7 +62,8 @@ class EngineRunner:
     def load_in_background(self, loop: asyncio.AbstractEventLoop, on_failure) -> threading.Thread:
         def load() -> None:
             try:
-                engine = Engine.load(self.config, self.headers)
+                describe_loss = self.workers.describe_loss if self.workers is not None else lambda rank, e: None
+                engine = Engine.load(self.config, self.headers, self.rank, describe_loss)
                 engine.start()
                 self.engine = engine
                 log.info("model loaded; serving")
