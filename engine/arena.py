@@ -22,9 +22,11 @@ def _padded(nbytes: int) -> int:
 
 
 def move_to_huge_pages(module: nn.Module, buffer_name: str = "weight") -> None:
-    """Copies the `buffer_name` buffer of every submodule that has one into one block of memory
-    on huge pages, replacing the buffer by a view of the block (same values, same dtype)."""
-    owners = [m for m in module.modules() if m._buffers.get(buffer_name) is not None]
+    """Copies the `buffer_name` buffer of every submodule that has one in CPU memory into one block
+    of memory on huge pages, replacing the buffer by a view of the block (same values, same dtype).
+    Buffers on other devices (a stage's, engine/placement.py) stay where they are."""
+    owners = [m for m in module.modules()
+              if m._buffers.get(buffer_name) is not None and m._buffers[buffer_name].is_cpu]
     total = sum(_padded(m._buffers[buffer_name].nbytes) for m in owners)
     if total < HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE"):
         return

@@ -1,7 +1,7 @@
 """ForwardBatch: everything one forward pass needs, built once per engine step."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
 
@@ -30,6 +30,8 @@ class ForwardBatch:
     # Each token's slot, [N]: with causal masks every token is a row of its own (model.fused_layers).
     # Left empty by a batch built by hand with other masks, which then runs layer by layer.
     slots: torch.Tensor = field(default_factory=lambda: NO_ROWS)
+    # This batch's tensors on each other device a stage runs on, moved once per step.
+    _copies: dict = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
     def build(cls, rows: list[Row]) -> "ForwardBatch":
@@ -46,6 +48,16 @@ class ForwardBatch:
         return cls(rows, torch.tensor(tokens, dtype=torch.long), torch.tensor(positions, dtype=torch.long), masks,
                    index, decode_slots, starts, torch.tensor(slots, dtype=torch.long))
 
+    def on(self, device: torch.device) -> "ForwardBatch":
+        """The batch with its tensors on `device`: itself where they already are, else a copy made
+        once and kept for the other stages and layers on that device."""
+        if self.positions.device == device:
+            return self
+        if device not in self._copies:
+            moved = {f.name: _to(getattr(self, f.name), device) for f in fields(self) if f.name != "_copies"}
+            self._copies[device] = ForwardBatch(**moved)
+        return self._copies[device]
+
     @property
     def num_tokens(self) -> int:
         return self.token_ids.shape[0]
@@ -54,6 +66,14 @@ class ForwardBatch:
         """Index into the N tokens of each row's last token."""
         ends = torch.tensor([len(r.tokens) for r in self.rows]).cumsum(0)
         return ends - 1
+
+
+def _to(value, device: torch.device):
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, list):
+        return [_to(v, device) for v in value]
+    return value
 
 
 def causal_mask(start: int, n: int) -> torch.Tensor:

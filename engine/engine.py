@@ -22,7 +22,8 @@ from engine.kv_cache import KV_DTYPES, KVCache, PagedKVCache
 from engine.model import Transformer
 from engine.options import CompressRatios
 from engine.pipeline.head import MirroredCache, PipelineError, RemoteStages, pipelined_forward
-from engine.pipeline.ranks import Rank, join, stage_layers
+from engine.pipeline.ranks import Rank, join
+from engine.placement import Placement
 from engine.pipeline.transport import Link
 from engine.preflight import Headers, describe_cache, read_headers
 from engine.quant import DTYPES
@@ -55,6 +56,12 @@ class EngineConfig:
     pipeline_parallel_size: int = 1  # processes the trunk's stages run in (engine/pipeline)
     pipeline_depth: int | None = None  # micro-batches a step splits into; None: one per stage
     pipeline_timeout: float = 8.0  # seconds the head waits for the stages' answer to one micro-batch
+    # Where the trunk's layers and the draft run (engine/placement.py): one stage per device, the
+    # layers split by count or in proportion (neither: as evenly as they go).
+    devices: tuple[str, ...] = ("cpu",)
+    layer_split: tuple[int, ...] | None = None
+    tensor_split: tuple[float, ...] | None = None
+    draft_device: str = "cpu"
 
     def __post_init__(self) -> None:
         kv_types = f"must be one of {', '.join(KV_DTYPES)}"
@@ -142,7 +149,7 @@ class Engine:
     drafter: Drafter | None = None  # when speculation is on
     stats: EngineStats = field(default_factory=EngineStats)
     remote: RemoteStages | None = None  # stages 1.. in worker processes (-pp)
-    stage_layers: list[range] = field(default_factory=list)  # each stage's trunk layers (one stage: all)
+    placement: Placement | None = None  # the whole model's, remote stages included
 
     @property
     def failure(self) -> str | None:
@@ -169,11 +176,12 @@ class Engine:
         # Build (or find) the CPU kernels now, not in the first request's forward: the server
         # reports healthy only after load, and a first build takes about a minute.
         log.info("CPU kernels: %s", "ready" if kernels.available() else "unavailable, torch's ops instead")
-        stages = stage_layers(mc.num_layers, config.pipeline_parallel_size) if rank is not None else None
-        tensors = files.load_tensors(stages[0] if stages else None)
+        stages = headers.placement.stage_ranges()
+        # A pipeline head builds stage 0 and reads only its tensors; RemoteStages stands for the rest.
+        placement = headers.placement if rank is None else headers.placement.first_stage()
+        tensors = files.load_tensors(stages[0] if rank is not None else None)
         model = Transformer(mc, tensors, config.dtype,
-                            max_positions=max(config.ctx_per_slot, mc.max_position_embeddings),
-                            layers=stages[0] if stages else None)
+                            max_positions=max(config.ctx_per_slot, mc.max_position_embeddings), placement=placement)
         drafter = None
         if config.spec is not None:
             drafter = load_drafter(config.spec, model, tensors, config.dtype, config.parallel, config.ctx_per_slot,
@@ -182,12 +190,12 @@ class Engine:
         log.info("loaded %s (%s, %s) in %.1f s", files.path, mc.family, config.dtype, time.perf_counter() - t0)
         kv_dtypes = tuple(KV_DTYPES[t] for t in config.kv_types)
         if config.kv_unified:
-            cache = PagedKVCache(len(model.specs), config.parallel, config.ctx_size, mc.num_kv_heads, mc.head_dim,
-                                 *kv_dtypes, specs=model.specs)
+            cache = PagedKVCache(placement.num_layers, config.parallel, config.ctx_size, mc.num_kv_heads, mc.head_dim,
+                                 *kv_dtypes, specs=model.specs, devices=placement.layer_devices())
             slots = f"1 unified pool of {cache.capacity} positions for {config.parallel} slots"
         else:
-            cache = KVCache(len(model.specs), config.parallel, config.ctx_per_slot, mc.num_kv_heads, mc.head_dim,
-                            *kv_dtypes, specs=model.specs)
+            cache = KVCache(placement.num_layers, config.parallel, config.ctx_per_slot, mc.num_kv_heads, mc.head_dim,
+                            *kv_dtypes, specs=model.specs, devices=placement.layer_devices())
             slots = f"{config.parallel} slots x {config.ctx_per_slot} ctx"
         log.info("KV cache: %s", describe_cache(model.specs, slots, cache.nbytes, cache.kpool_nbytes))
         eos = set(mc.eos_token_ids)
@@ -199,14 +207,14 @@ class Engine:
             log.info("pipeline: %d stages in %d processes, depth %d; this head runs stage 0 (layers %s), "
                      "ranks 1..%d the others (%s)", len(stages), rank.world, config.pipeline_depth or len(stages),
                      _layer_span(stages[0]), rank.world - 1, ", ".join(_layer_span(s) for s in stages[1:]))
-            join(rank)
-            remote = RemoteStages(Link(0, rank.world, mc.hidden_size, model.compute_dtype), config.pipeline_timeout,
-                                  describe_loss)
+            link = Link(0, rank.world, mc.hidden_size, model.compute_dtype, join(rank, headers.placement, 0))
+            remote = RemoteStages(link, config.pipeline_timeout, placement.devices[0], describe_loss)
+            model.stages.append(remote)  # after the local stage, before the final norm
         scheduler = Scheduler(config.parallel, config.ctx_per_slot, config.batch_size, config.ubatch_size,
                               MirroredCache(cache, remote.queued) if remote is not None else cache,
                               reuse_margin=margin, draft_max=config.spec.n_max if config.spec else 0)
         return cls(config, files, model, tokenizer, cache, scheduler, frozenset(eos), drafter=drafter, remote=remote,
-                   stage_layers=stages or [range(mc.num_layers)])
+                   placement=headers.placement)
 
     # -- any thread ---------------------------------------------------------------------------
 
@@ -367,7 +375,7 @@ class Engine:
         batch = ForwardBatch.build([p.row for p in rows])
         if self.remote is not None:
             depth = self.config.pipeline_depth or self.config.pipeline_parallel_size
-            hidden = pipelined_forward(self.model, self.remote, depth, batch, self.cache)
+            hidden = pipelined_forward(self.model, depth, batch, self.cache)
         else:
             hidden = self.model(batch, self.cache)
         starts = (batch.last_token_indices() + 1 - torch.tensor([len(p.row.tokens) for p in rows])).tolist()

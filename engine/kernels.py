@@ -61,11 +61,13 @@ def available() -> bool:
         return False
 
 
-def usable() -> bool:
-    """Whether to run the kernels now: they are built, and this is plain inference. They have no
-    backward and do not follow autocast, so training and evaluation under autocast (e.g.
-    `python -m train`) run on torch's ops."""
-    return available() and not torch.is_grad_enabled() and not torch.is_autocast_enabled("cpu")
+def usable(x: torch.Tensor | None = None) -> bool:
+    """Whether to run the kernels now: they are built, this is plain inference, and `x` (the tensor
+    the kernel would read, when the caller has one) lies in CPU memory. They have no backward and
+    do not follow autocast, so training and evaluation under autocast (e.g. `python -m train`) run
+    on torch's ops; so do the stages on other devices (engine/placement.py)."""
+    return available() and not torch.is_grad_enabled() and not torch.is_autocast_enabled("cpu") \
+        and (x is None or x.is_cpu)
 
 
 def _ops():

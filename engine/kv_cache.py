@@ -33,11 +33,11 @@ class Q8Storage:
 
     dtype = torch.float32
 
-    def __init__(self, shape: tuple[int, ...]):
+    def __init__(self, shape: tuple[int, ...], device: torch.device | str = "cpu"):
         head_dim = shape[-1]
         self.block = Q8_BLOCK if head_dim % Q8_BLOCK == 0 else head_dim
-        self.q = torch.zeros(shape, dtype=torch.int8)
-        self.scale = torch.zeros((*shape[:-1], head_dim // self.block), dtype=torch.float16)
+        self.q = torch.zeros(shape, dtype=torch.int8, device=device)
+        self.scale = torch.zeros((*shape[:-1], head_dim // self.block), dtype=torch.float16, device=device)
 
     @property
     def nbytes(self) -> int:
@@ -68,8 +68,8 @@ class Q8Storage:
         return self._dequantize(self.q.index_select(dim, rows), self.scale.index_select(dim, rows))
 
 
-def _storage(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | Q8Storage:
-    return Q8Storage(shape) if dtype == torch.int8 else torch.zeros(shape, dtype=dtype)
+def _storage(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor | Q8Storage:
+    return Q8Storage(shape, device) if dtype == torch.int8 else torch.zeros(shape, dtype=dtype, device=device)
 
 
 def _nbytes(stores) -> int:
@@ -80,6 +80,12 @@ def _specs(specs: Sequence[LayerSpec] | None, num_layers: int) -> list[LayerSpec
     specs = list(specs) if specs is not None else [DENSE] * num_layers
     assert len(specs) == num_layers, f"{len(specs)} layer specs for {num_layers} layers"
     return specs
+
+
+def _devices(devices: Sequence[torch.device | str] | None, num_layers: int) -> list[torch.device]:
+    devices = [torch.device(d) for d in devices] if devices is not None else [torch.device("cpu")] * num_layers
+    assert len(devices) == num_layers, f"{len(devices)} layer devices for {num_layers} layers"
+    return devices
 
 
 class _Stores:
@@ -106,15 +112,16 @@ class KVCache(_Stores):
 
     def __init__(self, num_layers: int, num_slots: int, ctx_per_slot: int, kv_heads: int, head_dim: int,
                  dtype: torch.dtype = torch.float32, v_dtype: torch.dtype | None = None,
-                 specs: Sequence[LayerSpec] | None = None):
-        """specs: each layer's (default: all dense)."""
+                 specs: Sequence[LayerSpec] | None = None, devices: Sequence[torch.device | str] | None = None):
+        """specs, devices: each layer's (default: all dense, all on the CPU)."""
         shape = (num_slots, kv_heads, ctx_per_slot, head_dim)
         self.specs = _specs(specs, num_layers)
-        self.k = [_storage(shape, dtype) for _ in range(num_layers)]
-        self.v = [_storage(shape, v_dtype or dtype) for _ in range(num_layers)]
+        self.devices = _devices(devices, num_layers)
+        self.k = [_storage(shape, dtype, device) for device in self.devices]
+        self.v = [_storage(shape, v_dtype or dtype, device) for device in self.devices]
         # [slots, kv_heads, ctx // ratio, head_dim] f32 for a QSA layer; None for a dense one.
-        self.kpool = [torch.zeros(num_slots, kv_heads, ctx_per_slot // spec.ratio, head_dim) if spec.is_qsa else None
-                      for spec in self.specs]
+        self.kpool = [torch.zeros(num_slots, kv_heads, ctx_per_slot // spec.ratio, head_dim, device=device)
+                      if spec.is_qsa else None for spec, device in zip(self.specs, self.devices)]
         self.num_slots = num_slots
         self.ctx_per_slot = ctx_per_slot
 
@@ -217,18 +224,19 @@ class PagedKVCache(_Stores):
 
     def __init__(self, num_layers: int, num_slots: int, capacity: int, kv_heads: int, head_dim: int,
                  dtype: torch.dtype = torch.float32, v_dtype: torch.dtype | None = None,
-                 specs: Sequence[LayerSpec] | None = None):
-        """specs: each layer's (default: all dense); a QSA layer's ratio divides PAGE_SIZE, so
-        blocks never straddle pages."""
+                 specs: Sequence[LayerSpec] | None = None, devices: Sequence[torch.device | str] | None = None):
+        """specs, devices: each layer's (default: all dense, all on the CPU); a QSA layer's ratio
+        divides PAGE_SIZE, so blocks never straddle pages."""
         num_pages = capacity // self.PAGE_SIZE
         shape = (kv_heads, num_pages * self.PAGE_SIZE, head_dim)
         self.specs = _specs(specs, num_layers)
         assert all(self.PAGE_SIZE % spec.ratio == 0 for spec in self.specs if spec.is_qsa)
-        self.k = [_storage(shape, dtype) for _ in range(num_layers)]
-        self.v = [_storage(shape, v_dtype or dtype) for _ in range(num_layers)]
+        self.devices = _devices(devices, num_layers)
+        self.k = [_storage(shape, dtype, device) for device in self.devices]
+        self.v = [_storage(shape, v_dtype or dtype, device) for device in self.devices]
         # [kv_heads, pool positions // ratio, head_dim] f32, indexed by pool row // ratio (QSA layers).
-        self.kpool = [torch.zeros(kv_heads, shape[1] // spec.ratio, head_dim) if spec.is_qsa else None
-                      for spec in self.specs]
+        self.kpool = [torch.zeros(kv_heads, shape[1] // spec.ratio, head_dim, device=device) if spec.is_qsa else None
+                      for spec, device in zip(self.specs, self.devices)]
         self.pool = PagePool(num_pages, self.PAGE_SIZE, num_slots)
         self.num_slots = num_slots
         self.ctx_per_slot = num_pages * self.PAGE_SIZE  # any one slot may fill the whole pool
@@ -265,23 +273,25 @@ class PagedKVCache(_Stores):
             self.k[layer][:, base + start:base + end] = k
             self.v[layer][:, base + start:base + end] = v
         else:
-            rows = self._index[slot][start:end]
+            rows = self._index[slot][start:end].to(self.devices[layer])
             self.k[layer].index_copy_(1, rows, k.to(self.k[layer].dtype))
             self.v[layer].index_copy_(1, rows, v.to(self.v[layer].dtype))
         if self.kpool[layer] is not None:
             r = self.specs[layer].ratio
             first, last = start // r, end // r
             if last > first:
-                keys = self.k[layer].index_select(1, self._index[slot][first * r:last * r])
-                self.kpool[layer].index_copy_(1, self._pool_rows(slot, first, last, r), block_means(keys, r))
+                keys = self.k[layer].index_select(1, self._index[slot][first * r:last * r].to(self.devices[layer]))
+                self.kpool[layer].index_copy_(1, self._pool_rows(layer, slot, first, last), block_means(keys, r))
 
-    def _pool_rows(self, slot: int, first: int, last: int, ratio: int) -> torch.Tensor:
-        """Pool-block indices of the slot's blocks first .. last-1 (a block lies in one page)."""
-        return self._index[slot][torch.arange(first, last) * ratio] // ratio
+    def _pool_rows(self, layer: int, slot: int, first: int, last: int) -> torch.Tensor:
+        """Pool-block indices of the slot's blocks first .. last-1 of the layer, on its device (a
+        block lies in one page)."""
+        ratio = self.specs[layer].ratio
+        return (self._index[slot][torch.arange(first, last) * ratio] // ratio).to(self.devices[layer])
 
     def read_pool(self, layer: int, slot: int, blocks: int) -> torch.Tensor:
         """[kv_heads, blocks, head_dim] f32: the slot's first pooled keys (a QSA layer's)."""
-        return self.kpool[layer].index_select(1, self._pool_rows(slot, 0, blocks, self.specs[layer].ratio))
+        return self.kpool[layer].index_select(1, self._pool_rows(layer, slot, 0, blocks))
 
     def slot_major(self, layer: int, dtype: torch.dtype) -> None:
         """Pages are not slot-major: decode rows attend one by one, through `read`."""
@@ -292,5 +302,5 @@ class PagedKVCache(_Stores):
         base = self._base[slot]
         if base is not None:
             return self.k[layer][:, base:base + length], self.v[layer][:, base:base + length]
-        rows = self._index[slot][:length]
+        rows = self._index[slot][:length].to(self.devices[layer])
         return self.k[layer].index_select(1, rows), self.v[layer].index_select(1, rows)

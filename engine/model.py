@@ -2,7 +2,9 @@
 
 Tokens of all rows of a step run through the linear layers together as one [N, hidden] matrix;
 attention runs per row, over views of that row's slot in the KV cache. A step of a few tokens
-(decode, verify) runs every layer in one call of tandem's kernel instead (`fused_layers`).
+(decode, verify) runs every layer of a CPU stage in one call of tandem's kernel instead
+(`fused_layers`). The trunk's layers sit in stages, one per device (engine/placement.py): the
+hidden states move from stage to stage.
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from engine.arena import move_to_huge_pages
 from engine.batch import ForwardBatch
 from engine.config import ModelConfig
 from engine.kv_cache import KVCache
+from engine.placement import Placement
 from engine.qsa import LayerSpec
 from engine.quant import Linear, compute_dtype
 from engine.rope import rope_table, rotate
@@ -29,7 +32,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if kernels.usable():
+        if kernels.usable(x):
             return kernels.rms_norm(x, self.weight, self.eps)
         # Normalised in f32, rounded to x's dtype, then scaled: the reference's order of operations.
         return self.weight * F.rms_norm(x.float(), x.shape[-1:], eps=self.eps).to(x.dtype)
@@ -86,7 +89,7 @@ class Attention(nn.Module):
         # Rows of one token of a dense layer go through one kernel call when the cache is
         # slot-major floats of q's dtype; the others (prompt chunks, verify rows, paged or q8_0
         # caches, QSA layers) attend row by row.
-        store = cache.slot_major(layer, q.dtype) if kernels.usable() and len(batch.decode_index) \
+        store = cache.slot_major(layer, q.dtype) if kernels.usable(q) and len(batch.decode_index) \
             and not self.spec.is_qsa else None
         if store is not None:
             i, slots, positions = batch.decode_index, batch.decode_slots, batch.decode_positions
@@ -175,7 +178,7 @@ def fused_layers(layers: list[DecoderLayer], x: torch.Tensor, batch: ForwardBatc
     when a layer has hooks (`python -m train` watches one): those run module by module. QSA layers
     take the call too, with their specs and the cache's pooled keys. cos, sin: [N, head_dim]."""
     first = layers[0]
-    if not kernels.usable() or len(batch.slots) != batch.num_tokens \
+    if not kernels.usable(x) or len(batch.slots) != batch.num_tokens \
             or batch.num_tokens > first.self_attn.qkv_proj.max_kernel_rows \
             or cache.slot_major(first.index, x.dtype) is None \
             or any(layer._forward_pre_hooks or layer._forward_hooks for layer in layers):
@@ -203,51 +206,83 @@ def run_layers(layers: list[DecoderLayer], x: torch.Tensor, batch: ForwardBatch,
     return x
 
 
+class Stage(nn.Module):
+    """Consecutive trunk layers on one device, with their global indices (the cache's layers).
+    On the CPU they run through tandem's kernels where a step takes them; elsewhere on torch's ops."""
+
+    def __init__(self, layers: list[DecoderLayer], device: str, first: bool, last: bool):
+        super().__init__()
+        self.device = torch.device(device)
+        self.layers = nn.ModuleList(layer.to(self.device) for layer in layers)
+        self.first, self.last = first, last  # whether it holds the embedding, or the final norm and lm_head
+
+    def run(self, x: torch.Tensor, batch: ForwardBatch, cos: torch.Tensor, sin: torch.Tensor,
+            cache: KVCache) -> torch.Tensor:
+        """x [N, hidden] from wherever the previous stage left it, through this stage's layers on its
+        device, writing their K/V; returns x there. cos, sin: [N, head_dim]."""
+        d = self.device
+        return run_layers(self.layers, x.to(d), batch.on(d), cos.to(d), sin.to(d), cache)
+
+
 class Transformer(nn.Module):
-    """Built from f32 tensors under HF names; `dtype` is the weight format (f32, bf16, int8)."""
+    """Built from f32 tensors under HF names; `dtype` is the weight format (f32, bf16, int8);
+    `placement` puts the layers in stages (default: one stage on the CPU)."""
 
     def __init__(self, config: ModelConfig, tensors: dict[str, torch.Tensor], dtype: str = "f32",
-                 max_positions: int | None = None, layers: range | None = None):
-        """layers: the trunk layers built here (a pipeline head's stage 0; default: all)."""
+                 max_positions: int | None = None, placement: Placement | None = None):
         super().__init__()
         self.config, self.dtype = config, dtype
         self.compute_dtype = compute_dtype(dtype)
+        self.placement = placement or Placement.single(config.num_layers)
+        ranges = self.placement.stage_ranges()
+        self.stages = nn.ModuleList(
+            Stage([DecoderLayer(config, tensors, i, dtype, LayerSpec.of(config.layer_ratios[i], config.qsa_budget))
+                   for i in layers], device, s == 0, s == len(ranges) - 1)
+            for s, (device, layers) in enumerate(zip(self.placement.devices, ranges)))
+        first, last = self.stages[0].device, self.stages[-1].device
         head = tensors["model.embed_tokens.weight"] if config.tie_word_embeddings else tensors["lm_head.weight"]
-        self.lm_head = Linear(head, None, dtype)
-        # A tied embedding is read from the lm_head's (possibly quantized) rows: one copy in memory.
-        self.embed = None if config.tie_word_embeddings else \
-            tensors["model.embed_tokens.weight"].to(self.compute_dtype)
-        self.layers = nn.ModuleList(DecoderLayer(config, tensors, i, dtype,
-                                                 LayerSpec.of(config.layer_ratios[i], config.qsa_budget))
-                                    for i in layers or range(config.num_layers))
-        self.norm = RMSNorm(tensors["model.norm.weight"], config.rms_norm_eps, self.compute_dtype)
+        self.lm_head = Linear(head, None, dtype).to(last)
+        # A tied embedding on the lm_head's device is read from the lm_head's (possibly quantized)
+        # rows: one copy in memory. A first stage on another device gets its own copy, in the same
+        # format, so that it embeds exactly what the unsplit model does.
+        if config.tie_word_embeddings:
+            self.embed = None if first == last else Linear(head, None, dtype).to(first)
+        else:
+            self.embed = Linear(tensors["model.embed_tokens.weight"], None,
+                                "bf16" if self.compute_dtype == torch.bfloat16 else "f32").to(first)
+        self.norm = RMSNorm(tensors["model.norm.weight"], config.rms_norm_eps, self.compute_dtype).to(last)
+        # Kept on the CPU, indexed by the step's positions there; each stage takes its rows along.
         cos, sin = rope_table(config.rope, config.head_dim, max_positions or config.max_position_embeddings)
         self.register_buffer("cos", cos.to(self.compute_dtype))
         self.register_buffer("sin", sin.to(self.compute_dtype))
         move_to_huge_pages(self)
 
     @property
+    def layers(self) -> list[DecoderLayer]:
+        """Every trunk layer, in order, across the stages."""
+        return [layer for stage in self.stages for layer in stage.layers]
+
+    @property
     def specs(self) -> list[LayerSpec]:
         return [layer.self_attn.spec for layer in self.layers]
 
     def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
-        if self.embed is not None:
-            return self.embed[ids]
-        return self.lm_head.rows(ids).to(self.compute_dtype)
+        """[N] token ids -> [N, hidden] in the compute dtype, on the first stage's device."""
+        table = self.lm_head if self.embed is None else self.embed
+        return table.rows(ids.to(table.weight.device)).to(self.compute_dtype)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
         """Runs the batch, writing its K/V into the cache. Returns hidden states after the final
-        norm, [N, hidden]: the vectors that feed the lm_head (and the MTP draft)."""
-        return self.norm(self.run_local(batch, cache))
-
-    @torch.inference_mode()
-    def run_local(self, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
-        """The embedding, then the layers built here: [N, hidden] before the final norm."""
+        norm, [N, hidden], on the last stage's device: the vectors that feed the lm_head (and the
+        MTP draft)."""
         x = self.embed_tokens(batch.token_ids)
-        return run_layers(self.layers, x, batch, self.cos[batch.positions], self.sin[batch.positions], cache)
+        cos, sin = self.cos[batch.positions], self.sin[batch.positions]
+        for stage in self.stages:
+            x = stage.run(x, batch, cos, sin, cache)
+        return self.norm(x)
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[rows, hidden] -> [rows, vocab] f32."""
-        return self.lm_head(hidden).float()
+        """[rows, hidden] (on any device) -> [rows, vocab] f32 on the CPU."""
+        return self.lm_head(hidden.to(self.lm_head.weight.device)).float().cpu()

@@ -13,6 +13,7 @@ from engine.config import ModelConfig, with_compression
 from engine.drafter import check_draft_files
 from engine.errors import ConfigError
 from engine.kv_cache import PagedKVCache
+from engine.placement import Placement
 from engine.qsa import LayerSpec
 from engine.weights import ModelFiles, open_model
 
@@ -25,6 +26,7 @@ class Headers:
     files: ModelFiles
     model: ModelConfig  # the target's, with --compress-ratios and --qsa-budget applied
     draft_ratios: tuple[int, ...]  # the detached MTP draft's layers' (empty without one)
+    placement: Placement  # the trunk's stages and the draft's device
 
 
 def read_headers(config: "EngineConfig") -> Headers:
@@ -36,10 +38,20 @@ def read_headers(config: "EngineConfig") -> Headers:
     unpaged = sorted({r for r in model.layer_ratios if r and page % r})
     if config.kv_unified and unpaged:
         raise ConfigError(f"compress_ratios: ratio {unpaged[0]} must divide the KV page size {page} with kv_unified")
-    if config.pipeline_parallel_size > model.num_layers:
-        raise ConfigError(f"pipeline_parallel_size={config.pipeline_parallel_size}: must be at most the model's "
-                          f"{model.num_layers} trunk layers (one or more per stage)")
-    return Headers(files, model, draft_ratios)
+    stages = config.pipeline_parallel_size
+    if stages > model.num_layers:
+        raise ConfigError(f"pipeline_parallel_size={stages}: must be at most the model's {model.num_layers} trunk "
+                          f"layers (one or more per stage)")
+    devices = config.devices
+    if stages > 1 and len(devices) not in (1, stages):
+        raise ConfigError(f"devices={','.join(devices)!r}: with pipeline_parallel_size={stages}, must list one device "
+                          f"per stage ({stages}), or one for all")
+    try:
+        placement = Placement.resolve(model.num_layers, devices * stages if len(devices) < stages else devices,
+                                      config.layer_split, config.tensor_split, config.draft_device)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    return Headers(files, model, draft_ratios, placement)
 
 
 def describe_cache(specs: list[LayerSpec], slots: str, kv_bytes: int, kpool_bytes: int) -> str:

@@ -58,7 +58,7 @@ class Linear(nn.Module):
         return self.weight[ids].float() * self.scale[ids, None]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() == 2 and x.shape[0] <= self.max_kernel_rows and kernels.usable():
+        if x.dim() == 2 and x.shape[0] <= self.max_kernel_rows and kernels.usable(x):
             return kernels.linear_rows(x, self.weight, self.scale, self.bias)
         if self.scale is None:
             return F.linear(x, self.weight, self.bias)

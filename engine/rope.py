@@ -70,7 +70,7 @@ def rope_table(rope: RopeConfig, head_dim: int, max_positions: int) -> tuple[tor
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """apply_rope; in place, by tandem's kernel, where it is usable (inference)."""
-    if not kernels.usable():
+    if not kernels.usable(x):
         return apply_rope(x, cos, sin)
     kernels.rope_(x, cos, sin)
     return x

@@ -79,8 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     setup_logging(flags.log_level, flags.log_format)
     if rank is not None and not rank.is_head:
-        stages = ranks.stage_layers(headers.model.num_layers, rank.world)
-        return worker_main(engine_config, headers, rank, stages[rank.rank])
+        return worker_main(engine_config, headers, rank)
     workers = None
     if rank is None and engine_config.pipeline_parallel_size > 1:
         # From this, the main thread: a worker's parent-death signal fires when its spawning thread exits.

@@ -94,9 +94,11 @@ def create_app(state: ServerState, on_load_failure: Callable[[BaseException], No
             "chat_template": engine.tokenizer.chat_template or "",
             "compress_ratios": list(engine.model.config.layer_ratios),
             "qsa_budget": engine.model.config.qsa_budget,
-            "pipeline": {"stages": c.pipeline_parallel_size, "ranks": c.pipeline_parallel_size,
-                         "depth": c.pipeline_depth or c.pipeline_parallel_size,
-                         "stage_layers": [[s.start, s.stop] for s in engine.stage_layers]},
+            "pipeline": {"ranks": c.pipeline_parallel_size, "depth": c.pipeline_depth or c.pipeline_parallel_size,
+                         "stages": [{"rank": s if c.pipeline_parallel_size > 1 else 0, "device": device,
+                                     "layers": [layers.start, layers.stop]}
+                                    for s, (device, layers) in enumerate(zip(engine.placement.devices,
+                                                                            engine.placement.stage_ranges()))]},
         }
 
     @app.get("/slots")

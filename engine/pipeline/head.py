@@ -7,6 +7,7 @@ import contextlib
 import time
 
 import torch
+from torch import nn
 
 from engine.batch import ForwardBatch, Row
 from engine.pipeline.transport import CacheOp, Link, LinkError, Message, Op, Pending
@@ -34,14 +35,19 @@ class MirroredCache:
         self.cache.truncate(slot, length)
 
 
-class RemoteStages:
-    """Stages 1..N-1, on ranks 1..N-1, as the head runs them: hidden states, rows and queued cache
-    operations go to rank 1; the last rank's hidden states come back. After a failure every call
-    raises PipelineError at once: the ring has no way back to a consistent state."""
+class RemoteStages(nn.Module):
+    """Stages 1..N-1, on ranks 1..N-1, as one stage of the head's model (model.Stage's interface,
+    with no layers here): hidden states, rows and queued cache operations go to rank 1; the last
+    rank's hidden states come back. After a failure every call raises PipelineError at once: the
+    ring has no way back to a consistent state."""
 
-    def __init__(self, link: Link, timeout: float, name_failure=lambda rank, error: None):
-        """name_failure(rank, error): a better account of a lost rank when the head knows one (a
-        local worker's exit status), else None."""
+    def __init__(self, link: Link, timeout: float, device: str, name_failure=lambda rank, error: None):
+        """device: where the head wants the hidden states back (its stage's). name_failure(rank,
+        error): a better account of a lost rank when the head knows one (a local worker's exit
+        status), else None."""
+        super().__init__()
+        self.layers = nn.ModuleList()
+        self.device, self.first, self.last = torch.device(device), False, False
         self.link, self.timeout, self.name_failure = link, timeout, name_failure
         self.queued: list[tuple[int, int, int]] = []
         self.failure: str | None = None
@@ -59,7 +65,7 @@ class RemoteStages:
 
     def run(self, x: torch.Tensor, batch: ForwardBatch, cos, sin, cache) -> torch.Tensor:
         """As a local stage runs: x [N, hidden] through every remote layer."""
-        return self.start(x, batch.rows).result()
+        return self.start(x, batch.rows).result().to(self.device)
 
     def keepalive(self) -> None:
         """Called by the idle engine: a heartbeat when the workers have heard nothing for a while,
@@ -113,21 +119,24 @@ def micro_batches(rows: list[Row], depth: int) -> list[list[int]]:
     return [order[bounds[g]:bounds[g + 1]] for g in range(n)]
 
 
-def pipelined_forward(model, remote: RemoteStages, depth: int, batch: ForwardBatch, cache) -> torch.Tensor:
-    """model.forward with the step in micro-batches: stage 0 computes micro-batch g+1 while the
-    workers compute g. Returns the hidden states after the final norm, [N, hidden], in the batch's
-    token order."""
+def pipelined_forward(model, depth: int, batch: ForwardBatch, cache) -> torch.Tensor:
+    """model.forward with the step in micro-batches: the head's stages compute micro-batch g+1
+    while the workers compute g. model.stages ends with the RemoteStages. Returns the hidden states
+    after the final norm, [N, hidden], in the batch's token order."""
+    *local, remote = model.stages
     groups = micro_batches(batch.rows, depth)
-    if len(groups) == 1:
-        return model(batch, cache)
     starts = (batch.last_token_indices() + 1 - torch.tensor([len(r.tokens) for r in batch.rows])).tolist()
     flights, indices = [], []
-    for group in groups:
-        sub = ForwardBatch.build([batch.rows[i] for i in group])
-        x = model.run_local(sub, cache)
-        flights.append(remote.start(x, sub.rows))
-        indices.append(torch.cat([torch.arange(starts[i], starts[i] + len(batch.rows[i].tokens)) for i in group]))
-    out = torch.empty(batch.num_tokens, model.config.hidden_size, dtype=model.compute_dtype)
-    for flight, index in zip(flights, indices):
-        out[index] = flight.result()
-    return model.norm(out)
+    with torch.inference_mode():
+        for group in groups:
+            sub = ForwardBatch.build([batch.rows[i] for i in group])
+            x = model.embed_tokens(sub.token_ids)
+            cos, sin = model.cos[sub.positions], model.sin[sub.positions]
+            for stage in local:
+                x = stage.run(x, sub, cos, sin, cache)
+            flights.append(remote.start(x, sub.rows))
+            indices.append(torch.cat([torch.arange(starts[i], starts[i] + len(batch.rows[i].tokens)) for i in group]))
+        out = torch.empty(batch.num_tokens, model.config.hidden_size, dtype=model.compute_dtype, device=remote.device)
+        for flight, index in zip(flights, indices):
+            out[index.to(remote.device)] = flight.result().to(remote.device)
+        return model.norm(out)

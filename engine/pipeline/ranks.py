@@ -18,9 +18,11 @@ import subprocess
 import sys
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 
 from engine.errors import ConfigError
+from engine.placement import Placement
 
 log = logging.getLogger("tandem.pipeline")
 
@@ -98,13 +100,11 @@ class LocalWorkers:
                 proc.wait(timeout)
 
 
-def join(rank: Rank, backend: str = "gloo") -> None:
-    """Meet the other ranks (each calls this once its weights are loaded)."""
-    dist.init_process_group(backend, init_method=rank.init_method, rank=rank.rank, world_size=rank.world,
-                            timeout=JOIN_TIMEOUT)
-
-
-def stage_layers(num_layers: int, stages: int) -> list[range]:
-    """Consecutive trunk layers per stage, as even as they split (later stages take the extra: the head also embeds, samples and speculates)."""
-    bounds = [num_layers * s // stages for s in range(stages + 1)]
-    return [range(bounds[s], bounds[s + 1]) for s in range(stages)]
+def join(rank: Rank, placement: Placement, stage: int) -> torch.device:
+    """Meet the other ranks (each calls this once its weights are loaded): nccl when every stage is
+    on a CUDA device, else gloo. Returns the device this rank's messages travel from: its stage's
+    under nccl, the CPU under gloo."""
+    nccl = all(d.startswith("cuda") for d in placement.devices)
+    dist.init_process_group("nccl" if nccl else "gloo", init_method=rank.init_method, rank=rank.rank,
+                            world_size=rank.world, timeout=JOIN_TIMEOUT)
+    return torch.device(placement.devices[stage] if nccl else "cpu")

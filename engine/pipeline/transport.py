@@ -69,24 +69,25 @@ class Pending:
 class Link:
     """This rank's ends of the ring: what it sends to `next` and receives from `prev`."""
 
-    def __init__(self, rank: int, world: int, hidden_size: int, dtype: torch.dtype):
+    def __init__(self, rank: int, world: int, hidden_size: int, dtype: torch.dtype, device: torch.device):
+        """device: where messages travel from (the CPU under gloo, the rank's GPU under nccl)."""
         self.rank, self.world = rank, world
         self.next, self.prev = (rank + 1) % world, (rank - 1) % world
-        self.hidden_size, self.dtype = hidden_size, dtype
+        self.hidden_size, self.dtype, self.device = hidden_size, dtype, device
 
     def send(self, message: Message, timeout: float, to: int | None = None) -> Pending:
         """Posts the message's sends to `to` (default: the next rank); the tensors stay referenced
         until the sends complete."""
         to = self.next if to is None else to
         n = 0 if message.hidden is None else message.hidden.shape[0]
-        header = torch.tensor([message.op, len(message.cache_ops), len(message.rows), n], dtype=torch.long)
+        header = self._long([message.op, len(message.cache_ops), len(message.rows), n])
         parts = [header]
         if message.cache_ops:
-            parts.append(torch.tensor(message.cache_ops, dtype=torch.long))
+            parts.append(self._long(message.cache_ops))
         if message.rows:
-            parts.append(torch.tensor([(r.slot, r.start, len(r.tokens)) for r in message.rows], dtype=torch.long))
+            parts.append(self._long([(r.slot, r.start, len(r.tokens)) for r in message.rows]))
         if n:
-            parts.append(message.hidden.contiguous())
+            parts.append(message.hidden.to(self.device).contiguous())
         try:
             works = [dist.isend(t, to) for t in parts]
         except RuntimeError as e:
@@ -97,14 +98,13 @@ class Link:
         """The next message from `frm` (default: the previous rank), waiting at most `timeout`
         seconds for each of its parts."""
         frm = self.prev if frm is None else frm
-        header = torch.empty(HEADER_SIZE, dtype=torch.long)
+        header = self._empty(HEADER_SIZE)
         self._recv([header], timeout, frm).wait()
         op, n_ops, n_rows, n = header.tolist()
         if op not in Op.__members__.values():
             raise LinkError(frm, f"unknown operation {op} in a message header")
-        parts = [torch.empty(n_ops, 3, dtype=torch.long) if n_ops else None,
-                 torch.empty(n_rows, 3, dtype=torch.long) if n_rows else None,
-                 torch.empty(n, self.hidden_size, dtype=self.dtype) if n else None]
+        parts = [self._empty(n_ops, 3) if n_ops else None, self._empty(n_rows, 3) if n_rows else None,
+                 self._empty(n, self.hidden_size, dtype=self.dtype) if n else None]
         self._recv([p for p in parts if p is not None], timeout, frm).wait()
         ops, rows, hidden = parts
         return Message(Op(op), [tuple(o) for o in ops.tolist()] if ops is not None else [],
@@ -113,14 +113,20 @@ class Link:
     def post_result(self, tokens: int, timeout: float) -> Pending:
         """Posts the receives of a RESULT of `tokens` rows from the last rank (the head's side,
         which knows the size it sent): waiting on it gives the hidden states."""
-        header = torch.empty(HEADER_SIZE, dtype=torch.long)
-        hidden = torch.empty(tokens, self.hidden_size, dtype=self.dtype)
+        header = self._empty(HEADER_SIZE)
+        hidden = self._empty(tokens, self.hidden_size, dtype=self.dtype)
 
         def message() -> torch.Tensor:
             if header.tolist() != [Op.RESULT, 0, 0, tokens]:
                 raise LinkError(self.prev, f"expected a result of {tokens} rows, got header {header.tolist()}")
             return hidden
         return self._recv([header, hidden], timeout, self.prev, message)
+
+    def _long(self, values) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=self.device)
+
+    def _empty(self, *shape: int, dtype: torch.dtype = torch.long) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype, device=self.device)
 
     def _recv(self, parts: list[torch.Tensor], timeout: float, frm: int, message=None) -> Pending:
         try:

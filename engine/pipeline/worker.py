@@ -8,7 +8,7 @@ import torch
 
 from engine.batch import ForwardBatch
 from engine.kv_cache import KV_DTYPES, KVCache, PagedKVCache
-from engine.model import DecoderLayer, run_layers
+from engine.model import DecoderLayer, Stage
 from engine.pipeline.ranks import join
 from engine.pipeline.transport import CacheOp, Link, LinkError, Message, Op
 from engine.qsa import LayerSpec
@@ -24,10 +24,12 @@ IDLE_TIMEOUT_S = 9.0
 
 
 class WorkerStage:
-    """One stage's layers and cache, the layers renumbered from 0 so the cache holds theirs only."""
+    """One stage's layers and cache on its device, the layers renumbered from 0 so that the cache
+    holds theirs only."""
 
-    def __init__(self, config, tensors: dict[str, torch.Tensor], layers: range, dtype: str, cache_config):
-        """config: the model's ModelConfig; tensors: at least those of `layers`; cache_config: the
+    def __init__(self, config, tensors: dict[str, torch.Tensor], layers: range, device: str, dtype: str,
+                 engine_config):
+        """config: the model's ModelConfig; tensors: at least those of `layers`; engine_config: the
         EngineConfig, for the cache's slots, size, types and layout (the head's own)."""
         renamed = {}
         for i in layers:
@@ -35,17 +37,16 @@ class WorkerStage:
             renamed.update({f"model.layers.{i - layers.start}.{n[len(prefix):]}": t
                             for n, t in tensors.items() if n.startswith(prefix)})
         specs = [LayerSpec.of(config.layer_ratios[i], config.qsa_budget) for i in layers]
-        self.layers = [DecoderLayer(config, renamed, i, dtype, spec) for i, spec in enumerate(specs)]
-        c = cache_config
+        self.stage = Stage([DecoderLayer(config, renamed, i, dtype, spec) for i, spec in enumerate(specs)], device,
+                           False, False)
+        c = engine_config
         cos, sin = rope_table(config.rope, config.head_dim, max(c.ctx_per_slot, config.max_position_embeddings))
         self.cos, self.sin = cos.to(compute_dtype(dtype)), sin.to(compute_dtype(dtype))
         kv = tuple(KV_DTYPES[t] for t in c.kv_types)
-        if c.kv_unified:
-            self.cache = PagedKVCache(len(specs), c.parallel, c.ctx_size, config.num_kv_heads, config.head_dim, *kv,
-                                      specs=specs)
-        else:
-            self.cache = KVCache(len(specs), c.parallel, c.ctx_per_slot, config.num_kv_heads, config.head_dim, *kv,
-                                 specs=specs)
+        shape = (len(specs), c.parallel, c.ctx_size if c.kv_unified else c.ctx_per_slot, config.num_kv_heads,
+                 config.head_dim)
+        self.cache = (PagedKVCache if c.kv_unified else KVCache)(*shape, *kv, specs=specs,
+                                                                   devices=[device] * len(specs))
 
     def apply(self, cache_ops: list[tuple[int, int, int]]) -> None:
         for op, slot, length in cache_ops:
@@ -57,7 +58,7 @@ class WorkerStage:
     @torch.inference_mode()
     def run(self, rows, x: torch.Tensor) -> torch.Tensor:
         batch = ForwardBatch.build(rows)
-        return run_layers(self.layers, x, batch, self.cos[batch.positions], self.sin[batch.positions], self.cache)
+        return self.stage.run(x, batch, self.cos[batch.positions], self.sin[batch.positions], self.cache)
 
 
 def serve(stage: WorkerStage, link: Link, timeout: float) -> None:
@@ -80,18 +81,18 @@ def serve(stage: WorkerStage, link: Link, timeout: float) -> None:
         link.send(reply, timeout).wait()
 
 
-def worker_main(config, headers, rank, layers: range) -> int:
+def worker_main(config, headers, rank) -> int:
     """A worker process's life: load its stage, meet the other ranks, serve until the head stops
     it or is lost. config: the EngineConfig (the head's, from the same command line); headers: its
-    checked files; rank: a ranks.Rank; layers: this stage's. Returns the exit status."""
+    checked files and placement; rank: a ranks.Rank. Returns the exit status."""
     if config.threads:
         torch.set_num_threads(config.threads)
-    mc = headers.model
-    stage = WorkerStage(mc, headers.files.load_tensors(layers, ends=False), layers, config.dtype, config)
-    log.info("pipeline stage %d (rank %d of %d): layers %d..%d loaded, KV cache %.0f MiB", rank.rank, rank.rank,
-             rank.world, layers.start, layers.stop - 1, stage.cache.nbytes / 2**20)
-    join(rank)
-    link = Link(rank.rank, rank.world, mc.hidden_size, compute_dtype(config.dtype))
+    mc, placement = headers.model, headers.placement
+    layers, device = placement.stage_ranges()[rank.rank], placement.devices[rank.rank]
+    stage = WorkerStage(mc, headers.files.load_tensors(layers, ends=False), layers, device, config.dtype, config)
+    log.info("pipeline stage %d (rank %d of %d): layers %d..%d on %s loaded, KV cache %.0f MiB", rank.rank,
+             rank.rank, rank.world, layers.start, layers.stop - 1, device, stage.cache.nbytes / 2**20)
+    link = Link(rank.rank, rank.world, mc.hidden_size, compute_dtype(config.dtype), join(rank, placement, rank.rank))
     try:
         serve(stage, link, config.pipeline_timeout)
     except LinkError as e:
