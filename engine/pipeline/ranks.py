@@ -16,6 +16,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +30,7 @@ log = logging.getLogger("tandem.pipeline")
 PR_SET_PDEATHSIG = 1
 # How long the ranks wait for each other to load their weights and meet (a big model loads slowly).
 JOIN_TIMEOUT = datetime.timedelta(minutes=10)
+EXIT_GRACE_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -79,13 +81,18 @@ class LocalWorkers:
                  ", ".join(str(p.pid) for p in self.procs.values()))
 
     def describe_loss(self, rank: int, error: Exception) -> str | None:
-        """A lost stage named by the worker that exited, when one did."""
-        for r, proc in self.procs.items():
-            code = proc.poll()
-            if code is not None:
-                how = f"killed by signal {-code}" if code < 0 else f"exited with status {code}"
-                return f"pipeline stage {r} (rank {r}, pid {proc.pid}) {how}"
-        return None
+        """A lost stage named by the worker that exited, when one did. Its sockets close while it
+        exits, so the head may hear of it before the process is gone: it gets a moment to be."""
+        deadline = time.monotonic() + EXIT_GRACE_S
+        while True:
+            for r, proc in self.procs.items():
+                code = proc.poll()
+                if code is not None:
+                    how = f"killed by signal {-code}" if code < 0 else f"exited with status {code}"
+                    return f"pipeline stage {r} (rank {r}, pid {proc.pid}) {how}"
+            if time.monotonic() > deadline:
+                return None
+            time.sleep(0.05)
 
     def stop(self, timeout: float = 5.0) -> None:
         """SIGTERM, then SIGKILL for any still running after `timeout` seconds."""

@@ -9,6 +9,7 @@ which is what a hung or lost peer means here.
 from __future__ import annotations
 
 import datetime
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import IntEnum
@@ -41,6 +42,12 @@ class LinkError(RuntimeError):
         super().__init__(what)
         self.rank = rank
 
+    @classmethod
+    def of(cls, rank: int, error: RuntimeError) -> "LinkError":
+        """torch.distributed's error, in one line without gloo's source location."""
+        line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        return cls(rank, re.sub(r"^\[[^\]]*\]\s*", "", line)[:200])
+
 
 @dataclass
 class Message:
@@ -62,7 +69,7 @@ class Pending:
             for work in self.works:
                 work.wait(timeout=datetime.timedelta(seconds=self.timeout))
         except RuntimeError as e:
-            raise LinkError(self.peer, str(e)) from e
+            raise LinkError.of(self.peer, e) from e
         return self._message() if self._message is not None else None
 
 
@@ -91,7 +98,7 @@ class Link:
         try:
             works = [dist.isend(t, to) for t in parts]
         except RuntimeError as e:
-            raise LinkError(to, str(e)) from e
+            raise LinkError.of(to, e) from e
         return Pending(works, parts, timeout, to)
 
     def recv(self, timeout: float, frm: int | None = None) -> Message:
@@ -132,5 +139,5 @@ class Link:
         try:
             works = [dist.irecv(t, frm) for t in parts]
         except RuntimeError as e:
-            raise LinkError(frm, str(e)) from e
+            raise LinkError.of(frm, e) from e
         return Pending(works, parts, timeout, frm, message)
