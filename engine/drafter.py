@@ -21,8 +21,9 @@ from engine.batch import ForwardBatch, Row
 from engine.config import ModelConfig
 from engine.errors import ConfigError, check_rules
 from engine.kv_cache import KVCache
-from engine.model import Transformer
+from engine.model import Transformer, embedding_table
 from engine.ngram import ngram_draft
+from engine.placement import Placement
 from engine.qsa import LayerSpec
 from engine.options import SPEC_TYPES
 from engine.quant import compute_dtype
@@ -188,6 +189,7 @@ class MTPDrafter(CachedDrafter):
         super().__init__(spec, cache, vocab)
         self.model, self.target = draft, target
         self.vocab_ids = draft.vocab_ids
+        self.embed_tokens = target.embed_tokens if draft.embed is None else draft.embed_tokens
 
     def catch_up_rows(self, span: Span):
         ids = span.request.all_ids
@@ -195,7 +197,7 @@ class MTPDrafter(CachedDrafter):
 
     def run(self, depth, rows, hidden):
         batch = ForwardBatch.build(rows)
-        embeddings = self.target.embed_tokens(batch.token_ids)
+        embeddings = self.embed_tokens(batch.token_ids)
         return self.model(depth, hidden.to(embeddings.dtype), embeddings, batch, self.cache)
 
 
@@ -235,9 +237,9 @@ def check_draft_files(spec: SpecConfig, target: ModelConfig) -> tuple[int, ...]:
 
 
 def load_drafter(spec: SpecConfig, target_model, target_tensors: dict, dtype: str, slots: int,
-                 ctx_per_slot: int, draft_ratios: tuple[int, ...] = ()) -> Drafter:
-    """The drafter for `spec`, with its own cache where it keeps one. draft_ratios: a detached MTP
-    draft's layers' compress ratios, checked with the target's (engine.preflight)."""
+                 ctx_per_slot: int, draft_ratios: tuple[int, ...] = (), device: str = "cpu") -> Drafter:
+    """The drafter for `spec`, with its own cache where it keeps one, all on `device`. draft_ratios:
+    a detached MTP draft's layers' compress ratios, checked with the target's (engine.preflight)."""
     config = target_model.config
     if spec.type == "ngram-simple":
         return NgramDrafter(spec, config.vocab_size)
@@ -250,13 +252,18 @@ def load_drafter(spec: SpecConfig, target_model, target_tensors: dict, dtype: st
         # nearly always. So a target computing in f32 (f32, int8) gets an int8 draft.
         draft_dtype = "int8" if compute_dtype(dtype) == torch.float32 else dtype
         specs = [LayerSpec.of(r, config.qsa_budget) for r in draft_ratios or header.compress_ratios]
-        draft = mtp.MTPDraft(config, mtp.load_tensors(spec.draft_model), specs, draft_dtype, ctx_per_slot)
+        # It embeds with the target's table where that sits on its device, else with a copy of its own.
+        embed = None if target_model.stages[0].device == torch.device(device) else \
+            embedding_table(config, target_tensors, dtype).to(device)
+        draft = mtp.MTPDraft(config, mtp.load_tensors(spec.draft_model), specs, draft_dtype, ctx_per_slot, device,
+                             embed)
         cache = KVCache(len(specs), slots, ctx_per_slot, config.num_kv_heads, config.head_dim, compute_dtype(dtype),
-                        specs=specs)
+                        specs=specs, devices=[device] * len(specs))
         return MTPDrafter(spec, draft, target_model, cache, config.vocab_size)
     files = open_model(spec.draft_model)
     c = files.config
-    model = Transformer(c, files.load_tensors(), dtype, max_positions=max(ctx_per_slot, c.max_position_embeddings))
+    model = Transformer(c, files.load_tensors(), dtype, max_positions=max(ctx_per_slot, c.max_position_embeddings),
+                        placement=Placement.single(c.num_layers, device))
     cache = KVCache(c.num_layers, slots, ctx_per_slot, c.num_kv_heads, c.head_dim, compute_dtype(dtype),
-                    specs=model.specs)
+                    specs=model.specs, devices=[device] * c.num_layers)
     return DraftModelDrafter(spec, model, cache, config.vocab_size)

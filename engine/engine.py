@@ -16,8 +16,9 @@ import torch
 
 from engine import kernels
 from engine.batch import ForwardBatch
-from engine.drafter import Drafter, SpecConfig, Span, load_drafter
+from engine.drafter import CachedDrafter, Drafter, SpecConfig, Span, load_drafter
 from engine.errors import ConfigError, check_rules
+from engine.footprint import DeviceUsage, measure
 from engine.kv_cache import KV_DTYPES, KVCache, PagedKVCache
 from engine.model import Transformer
 from engine.options import CompressRatios
@@ -92,6 +93,11 @@ class EngineConfig:
         return self.ctx_size // self.parallel
 
     @property
+    def depth(self) -> int:
+        """Micro-batches of a step in flight at once: one in one process, whose stages share it."""
+        return self.pipeline_depth or self.pipeline_parallel_size if self.pipeline_parallel_size > 1 else 1
+
+    @property
     def kv_types(self) -> tuple[str, str]:
         """(K, V) cache types. By default the cache holds what attention computes in, so no step
         converts a slot's whole prefix: f32, or bf16 with bf16 weights."""
@@ -148,6 +154,7 @@ class Engine:
     _stopping: bool = False
     drafter: Drafter | None = None  # when speculation is on
     stats: EngineStats = field(default_factory=EngineStats)
+    devices: list[DeviceUsage] = field(default_factory=list)  # what each device holds, as loaded
     remote: RemoteStages | None = None  # stages 1.. in worker processes (-pp)
     placement: Placement | None = None  # the whole model's, remote stages included
 
@@ -185,7 +192,7 @@ class Engine:
         drafter = None
         if config.spec is not None:
             drafter = load_drafter(config.spec, model, tensors, config.dtype, config.parallel, config.ctx_per_slot,
-                                   headers.draft_ratios)
+                                   headers.draft_ratios, placement.draft_device)
         del tensors
         log.info("loaded %s (%s, %s) in %.1f s", files.path, mc.family, config.dtype, time.perf_counter() - t0)
         kv_dtypes = tuple(KV_DTYPES[t] for t in config.kv_types)
@@ -198,23 +205,31 @@ class Engine:
                             *kv_dtypes, specs=model.specs, devices=placement.layer_devices())
             slots = f"{config.parallel} slots x {config.ctx_per_slot} ctx"
         log.info("KV cache: %s", describe_cache(model.specs, slots, cache.nbytes, cache.kpool_nbytes))
+        if isinstance(drafter, CachedDrafter):  # a draft model, placed on its device
+            devices = measure(model, cache, placement.draft_device, drafter.model, drafter.cache)
+        else:
+            devices = measure(model, cache)
+        log.info("%d stage(s) in %d process(es), pipeline depth %d", len(stages), config.pipeline_parallel_size,
+                 config.depth)
+        for usage in devices:
+            log.info("device %s", usage.describe())
         eos = set(mc.eos_token_ids)
         if tokenizer.eos_token_id is not None:
             eos.add(tokenizer.eos_token_id)
         margin = 1 if drafter is not None and drafter.needs_hidden else 0
         remote = None
         if rank is not None:
-            log.info("pipeline: %d stages in %d processes, depth %d; this head runs stage 0 (layers %s), "
-                     "ranks 1..%d the others (%s)", len(stages), rank.world, config.pipeline_depth or len(stages),
-                     _layer_span(stages[0]), rank.world - 1, ", ".join(_layer_span(s) for s in stages[1:]))
+            log.info("pipeline: this head (rank 0) runs stage 0, layers %s; %s", _layer_span(stages[0]),
+                     "; ".join(f"rank {r} stage {r}, layers {_layer_span(s)} on {headers.placement.devices[r]}"
+                               for r, s in enumerate(stages) if r))
             link = Link(0, rank.world, mc.hidden_size, model.compute_dtype, join(rank, headers.placement, 0))
             remote = RemoteStages(link, config.pipeline_timeout, placement.devices[0], describe_loss)
             model.stages.append(remote)  # after the local stage, before the final norm
         scheduler = Scheduler(config.parallel, config.ctx_per_slot, config.batch_size, config.ubatch_size,
                               MirroredCache(cache, remote.queued) if remote is not None else cache,
                               reuse_margin=margin, draft_max=config.spec.n_max if config.spec else 0)
-        return cls(config, files, model, tokenizer, cache, scheduler, frozenset(eos), drafter=drafter, remote=remote,
-                   placement=headers.placement)
+        return cls(config, files, model, tokenizer, cache, scheduler, frozenset(eos), drafter=drafter, devices=devices,
+                   remote=remote, placement=headers.placement)
 
     # -- any thread ---------------------------------------------------------------------------
 
@@ -374,8 +389,7 @@ class Engine:
     def _forward(self, rows: list[PlannedRow]) -> "StepResult":
         batch = ForwardBatch.build([p.row for p in rows])
         if self.remote is not None:
-            depth = self.config.pipeline_depth or self.config.pipeline_parallel_size
-            hidden = pipelined_forward(self.model, depth, batch, self.cache)
+            hidden = pipelined_forward(self.model, self.config.depth, batch, self.cache)
         else:
             hidden = self.model(batch, self.cache)
         starts = (batch.last_token_indices() + 1 - torch.tensor([len(p.row.tokens) for p in rows])).tolist()

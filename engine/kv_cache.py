@@ -102,6 +102,10 @@ class _Stores:
     def kpool_nbytes(self) -> int:
         return _nbytes(self.kpool)
 
+    def layer_nbytes(self, layer: int) -> int:
+        """The layer's K, V and pooled keys."""
+        return _nbytes([self.k[layer], self.v[layer], self.kpool[layer]])
+
 
 class KVCache(_Stores):
     """K and V for every layer, slot and position up to ctx_per_slot.

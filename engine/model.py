@@ -206,6 +206,27 @@ def run_layers(layers: list[DecoderLayer], x: torch.Tensor, batch: ForwardBatch,
     return x
 
 
+def run_on(device: torch.device, layers: list[DecoderLayer], x: torch.Tensor, batch: ForwardBatch,
+           cos: torch.Tensor, sin: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    """`run_layers` on the device the layers (and their cache) sit on, whatever device x, the
+    batch and cos, sin [N, head_dim] come from; returns x there."""
+    return run_layers(layers, x.to(device), batch.on(device), cos.to(device), sin.to(device), cache)
+
+
+def embedding_table(config: ModelConfig, tensors: dict[str, torch.Tensor], dtype: str) -> Linear:
+    """The token embedding as rows to look up: a tied one in the weight format (the rows the lm_head
+    holds, so a copy embeds exactly what the lm_head's rows do), an untied one in the compute dtype."""
+    table = tensors["model.embed_tokens.weight"]
+    if config.tie_word_embeddings:
+        return Linear(table, None, dtype)
+    return Linear(table, None, "bf16" if compute_dtype(dtype) == torch.bfloat16 else "f32")
+
+
+def embed_rows(table: Linear, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[N] token ids (on any device) -> [N, hidden] in `dtype`, on the table's device."""
+    return table.rows(ids.to(table.weight.device)).to(dtype)
+
+
 class Stage(nn.Module):
     """Consecutive trunk layers on one device, with their global indices (the cache's layers).
     On the CPU they run through tandem's kernels where a step takes them; elsewhere on torch's ops."""
@@ -220,8 +241,7 @@ class Stage(nn.Module):
             cache: KVCache) -> torch.Tensor:
         """x [N, hidden] from wherever the previous stage left it, through this stage's layers on its
         device, writing their K/V; returns x there. cos, sin: [N, head_dim]."""
-        d = self.device
-        return run_layers(self.layers, x.to(d), batch.on(d), cos.to(d), sin.to(d), cache)
+        return run_on(self.device, self.layers, x, batch, cos, sin, cache)
 
 
 class Transformer(nn.Module):
@@ -245,11 +265,8 @@ class Transformer(nn.Module):
         # A tied embedding on the lm_head's device is read from the lm_head's (possibly quantized)
         # rows: one copy in memory. A first stage on another device gets its own copy, in the same
         # format, so that it embeds exactly what the unsplit model does.
-        if config.tie_word_embeddings:
-            self.embed = None if first == last else Linear(head, None, dtype).to(first)
-        else:
-            self.embed = Linear(tensors["model.embed_tokens.weight"], None,
-                                "bf16" if self.compute_dtype == torch.bfloat16 else "f32").to(first)
+        tied_here = config.tie_word_embeddings and first == last
+        self.embed = None if tied_here else embedding_table(config, tensors, dtype).to(first)
         self.norm = RMSNorm(tensors["model.norm.weight"], config.rms_norm_eps, self.compute_dtype).to(last)
         # Kept on the CPU, indexed by the step's positions there; each stage takes its rows along.
         cos, sin = rope_table(config.rope, config.head_dim, max_positions or config.max_position_embeddings)
@@ -268,8 +285,7 @@ class Transformer(nn.Module):
 
     def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
         """[N] token ids -> [N, hidden] in the compute dtype, on the first stage's device."""
-        table = self.lm_head if self.embed is None else self.embed
-        return table.rows(ids.to(table.weight.device)).to(self.compute_dtype)
+        return embed_rows(self.lm_head if self.embed is None else self.embed, ids, self.compute_dtype)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:

@@ -27,7 +27,7 @@ from engine.arena import move_to_huge_pages
 from engine.batch import ForwardBatch
 from engine.config import ModelConfig
 from engine.errors import ConfigError
-from engine.model import DecoderLayer, RMSNorm, run_layers
+from engine.model import DecoderLayer, RMSNorm, embed_rows, run_on
 from engine.qsa import LayerSpec
 from engine.quant import Linear, compute_dtype
 from engine.rope import rope_table
@@ -123,17 +123,23 @@ class MTPLayer(nn.Module):
 
 
 class MTPDraft(nn.Module):
-    """Built from f32 tensors of an MTP file; shares the target's embedding."""
+    """Built from f32 tensors of an MTP file. Embeds its tokens with the target's embedding, or
+    with `embed`, a copy of that table on its own device when the target's first stage is elsewhere."""
 
     def __init__(self, config: ModelConfig, tensors: dict[str, torch.Tensor], specs: list[LayerSpec], dtype: str,
-                 max_positions: int):
-        """specs: each draft layer's (their number is the file's layer count)."""
+                 max_positions: int, device: str = "cpu", embed: Linear | None = None):
+        """specs: each draft layer's (their number is the file's layer count). Everything but the
+        RoPE tables and vocab_ids (read on the CPU, where the steps' positions and logits are)
+        sits on `device`."""
         super().__init__()
         self.config, self.num_layers = config, len(specs)
-        self.layers = nn.ModuleList(MTPLayer(config, tensors, k, dtype, spec) for k, spec in enumerate(specs))
-        self.head = Linear(tensors["head.weight"], None, dtype)
+        self.device = torch.device(device)
+        self.layers = nn.ModuleList(MTPLayer(config, tensors, k, dtype, spec).to(self.device)
+                                    for k, spec in enumerate(specs))
+        self.head = Linear(tensors["head.weight"], None, dtype).to(self.device)
+        self.embed = embed
         self.register_buffer("vocab_ids", tensors["head.vocab_ids"].long())
-        cdt = compute_dtype(dtype)
+        self.compute_dtype = cdt = compute_dtype(dtype)
         cos, sin = rope_table(config.rope, config.head_dim, max_positions)
         self.register_buffer("cos", cos.to(cdt))
         self.register_buffer("sin", sin.to(cdt))
@@ -143,15 +149,19 @@ class MTPDraft(nn.Module):
     def specs(self) -> list[LayerSpec]:
         return [layer.block.self_attn.spec for layer in self.layers]
 
+    def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
+        """Its own embedding copy's rows (only a draft built with one has them)."""
+        return embed_rows(self.embed, ids, self.compute_dtype)
+
     def layer_for_depth(self, depth: int) -> int:
         return min(depth, self.num_layers) - 1
 
     def forward(self, depth: int, hidden: torch.Tensor, embeddings: torch.Tensor, batch: ForwardBatch,
                 cache) -> tuple[torch.Tensor, torch.Tensor]:
         """hidden, embeddings: [N, H] for the batch's N positions (the token at each position is the
-        next token after it). Writes this depth's layer cache. Returns (block output before norm
-        [N, H], subset logits [N, K] f32)."""
-        layer = self.layers[self.layer_for_depth(depth)]
-        x = layer.eh_proj(torch.cat([layer.enorm(embeddings), layer.hnorm(hidden)], dim=-1))
-        x = run_layers([layer.block], x, batch, self.cos[batch.positions], self.sin[batch.positions], cache)
-        return x, self.head(layer.norm(x)).float()
+        next token after it), on any device. Writes this depth's layer cache. Returns (block output
+        before norm [N, H] on the draft's device, subset logits [N, K] f32 on the CPU)."""
+        layer, d = self.layers[self.layer_for_depth(depth)], self.device
+        x = layer.eh_proj(torch.cat([layer.enorm(embeddings.to(d)), layer.hnorm(hidden.to(d))], dim=-1))
+        x = run_on(d, [layer.block], x, batch, self.cos[batch.positions], self.sin[batch.positions], cache)
+        return x, self.head(layer.norm(x)).float().cpu()

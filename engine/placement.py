@@ -13,14 +13,13 @@ from dataclasses import dataclass
 
 # "cpu", "cuda" (its device 0) or "cuda:N".
 _DEVICE = re.compile(r"cpu|cuda(:\d+)?")
-DEVICE_RULE = "must be cpu, cuda or cuda:N"
 
 
 def parse_device(text: str) -> str:
     """One device name, normalised ("cuda" -> "cuda:0"). Raises ValueError with the rule."""
     name = text.strip()
     if not _DEVICE.fullmatch(name):
-        raise ValueError(DEVICE_RULE)
+        raise ValueError("must be cpu, cuda or cuda:N")
     return "cuda:0" if name == "cuda" else name
 
 
@@ -29,7 +28,7 @@ def parse_devices(text: str) -> tuple[str, ...]:
     try:
         return tuple(parse_device(part) for part in text.split(","))
     except ValueError:
-        raise ValueError(f"must be a comma list of devices, each {DEVICE_RULE}") from None
+        raise ValueError("must be a comma list of devices, each cpu, cuda or cuda:N") from None
 
 
 def parse_layer_split(text: str) -> tuple[int, ...]:
@@ -86,21 +85,21 @@ class Placement:
     def resolve(cls, num_layers: int, devices: tuple[str, ...] = ("cpu",), layer_split: tuple[int, ...] | None = None,
                 tensor_split: tuple[float, ...] | None = None, draft_device: str = "cpu") -> "Placement":
         """The placement the flags ask for on a trunk of num_layers layers. Raises ValueError naming
-        the flag, its value and the rule it breaks (the counts are known only once the model's
-        header has been read)."""
+        the field (the flag's name, as EngineConfig spells it), its value and the rule it breaks: the
+        counts are known only once the model's header has been read."""
         if layer_split is not None and tensor_split is not None:
-            raise ValueError(f"--tensor-split={_listed(tensor_split)!r}: cannot be given with --layer-split")
-        for flag, values in (("--layer-split", layer_split), ("--tensor-split", tensor_split)):
+            raise ValueError(f"tensor_split={_listed(tensor_split)!r}: cannot be given with layer_split")
+        for flag, values in (("layer_split", layer_split), ("tensor_split", tensor_split)):
             if values is not None and len(values) != len(devices):
                 raise ValueError(f"{flag}={_listed(values)!r}: must give one entry per device "
                                  f"({len(devices)}: {','.join(devices)}), not {len(values)}")
         if layer_split is not None and sum(layer_split) != num_layers:
-            raise ValueError(f"--layer-split={_listed(layer_split)!r}: must sum to the model's {num_layers} "
+            raise ValueError(f"layer_split={_listed(layer_split)!r}: must sum to the model's {num_layers} "
                              f"trunk layers, not {sum(layer_split)}")
         if layer_split is None:
             split = split_by_proportions(tensor_split or (1.0,) * len(devices), num_layers)
             if not all(split):
-                flag, given = ("--tensor-split", tensor_split) if tensor_split else ("--devices", devices)
+                flag, given = ("tensor_split", tensor_split) if tensor_split else ("devices", devices)
                 raise ValueError(f"{flag}={_listed(given)!r}: gives a device no layers of the model's "
                                  f"{num_layers} (split {_listed(split)}); every device needs at least one")
             layer_split = split

@@ -1,6 +1,7 @@
 """What an engine config asks of its files, checked from their headers before any weights are read.
 
-`read_headers` is the one validation path for a model, its draft and the compression flags: the
+`read_headers` is the one validation path for a model, its draft, the compression flags and the
+placement on devices (that they exist and the model fits them, engine/footprint.py): the
 server calls it before it starts listening (a bad value exits 2 with one message), and
 `Engine.load` calls it first.
 """
@@ -12,6 +13,7 @@ from typing import TYPE_CHECKING
 from engine.config import ModelConfig, with_compression
 from engine.drafter import check_draft_files
 from engine.errors import ConfigError
+from engine.footprint import check_devices, check_fit
 from engine.kv_cache import PagedKVCache
 from engine.placement import Placement
 from engine.qsa import LayerSpec
@@ -51,6 +53,8 @@ def read_headers(config: "EngineConfig") -> Headers:
                                       config.layer_split, config.tensor_split, config.draft_device)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    check_devices(placement)
+    check_fit(config, model, placement, len(draft_ratios))
     return Headers(files, model, draft_ratios, placement)
 
 

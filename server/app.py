@@ -94,11 +94,15 @@ def create_app(state: ServerState, on_load_failure: Callable[[BaseException], No
             "chat_template": engine.tokenizer.chat_template or "",
             "compress_ratios": list(engine.model.config.layer_ratios),
             "qsa_budget": engine.model.config.qsa_budget,
-            "pipeline": {"ranks": c.pipeline_parallel_size, "depth": c.pipeline_depth or c.pipeline_parallel_size,
-                         "stages": [{"rank": s if c.pipeline_parallel_size > 1 else 0, "device": device,
-                                     "layers": [layers.start, layers.stop]}
-                                    for s, (device, layers) in enumerate(zip(engine.placement.devices,
-                                                                            engine.placement.stage_ranges()))]},
+            # Where the model runs (engine/placement.py); one process steps one micro-batch at a time.
+            "devices": [usage.as_dict() for usage in engine.devices],
+            "stages": len(engine.placement.layer_split), "pipeline_depth": c.depth,
+            "draft_device": c.draft_device,
+            # Each stage's process (rank 0 is this one; -pp puts one stage in each), device and layers.
+            "pipeline_stages": [{"rank": s if c.pipeline_parallel_size > 1 else 0, "device": device,
+                                 "layers": [layers.start, layers.stop]}
+                                for s, (device, layers) in enumerate(zip(engine.placement.devices,
+                                                                        engine.placement.stage_ranges()))],
         }
 
     @app.get("/slots")

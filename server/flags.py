@@ -12,6 +12,7 @@ from dataclasses import dataclass, fields
 from typing import Callable, Sequence
 
 from engine.options import DTYPES, KV_CACHE_TYPES, SPEC_TYPES, CompressRatios
+from engine.placement import parse_device, parse_devices, parse_layer_split, parse_proportions
 from server.logs import LOG_FORMATS, LOG_LEVELS
 
 DEFAULT_BODY_LIMIT = 8 * 2**20
@@ -51,6 +52,9 @@ class ServerFlags:
     spec_draft_p_min: float = 0.5
     spec_ngram_size_n: int = 3
     spec_draft_device: str = "cpu"
+    devices: tuple[str, ...] = ("cpu",)
+    layer_split: tuple[int, ...] | None = None  # None: by tensor_split, or as even as the layers go
+    tensor_split: tuple[float, ...] | None = None
     compress_ratios: CompressRatios | None = None  # None: the model's own
     qsa_budget: int | None = None  # None: the model's own
     pipeline_parallel_size: int = 1
@@ -83,11 +87,14 @@ def _ranged(kind: type[int] | type[float], low: float, high: float | None = None
     return convert
 
 
-def _ratios(value: str) -> CompressRatios:
-    try:
-        return CompressRatios.parse(value)
-    except ValueError as e:
-        raise _Broken(str(e)) from None
+def _parsed(parse: Callable[[str], object]) -> Callable[[str], object]:
+    """A parser that raises ValueError with the rule, as a flag's converter."""
+    def convert(value: str) -> object:
+        try:
+            return parse(value)
+        except ValueError as e:
+            raise _Broken(str(e)) from None
+    return convert
 
 
 def _one_of(names) -> Callable[[str], str]:
@@ -144,9 +151,18 @@ _FLAGS = (
     _Flag(("--spec-draft-p-min",), "stop drafting when the draft's top-1 probability is below this",
           _ranged(float, 0, 1)),
     _Flag(("--spec-ngram-size-n",), "n-gram length ngram-simple looks up", _ranged(int, 1)),
-    _Flag(("--spec-draft-device",), "device the draft runs on", _one_of(("cpu",))),
+    _Flag(("-devd", "--device-draft", "--spec-draft-device"),
+          "device the whole draft runs on (its layers, head, cache): cpu, cuda or cuda:N", _parsed(parse_device)),
+    _Flag(("-dev", "--device", "--devices"), "devices the trunk's layers run on, one stage each, in order: a comma "
+          "list of cpu, cuda, cuda:N (the embedding sits on the first, the final norm and lm_head on the last)",
+          _parsed(parse_devices)),
+    _Flag(("--layer-split",), "trunk layers per device, a comma list summing to the model's layer count "
+          "(default: as even as they go)", _parsed(parse_layer_split)),
+    _Flag(("-ts", "--tensor-split"), "layers per device in proportion, e.g. 3,1: device i ends at the layer count "
+          "times the proportions so far over their sum, rounded half up", _parsed(parse_proportions)),
     _Flag(("--compress-ratios",), "each layer's compress ratio, 0 dense or r >= 2 QSA: a comma list (trunk, then "
-          "draft layers), everyN:R (every Nth trunk layer), all:R or none (default: the model's)", _ratios),
+          "draft layers), everyN:R (every Nth trunk layer), all:R or none (default: the model's)",
+          _parsed(CompressRatios.parse)),
     _Flag(("--qsa-budget",), "positions of pooled blocks a QSA query keeps, a multiple of the ratio "
           "(default: the model's)", _ranged(int, 1)),
     _Flag(("-pp", "--pipeline-parallel-size"), "processes the trunk's layers are split over, one stage each, "
@@ -171,11 +187,13 @@ def _parser() -> argparse.ArgumentParser:
                 description="tandem: one model behind an OpenAI-style HTTP server (flags as llama-server's)")
     for flag in _FLAGS:
         default = defaults[flag.dest]
+        if isinstance(default, tuple):
+            default = ",".join(default)
         shown = "" if default is None or flag.convert is None else f" (default: {default})"
         if flag.convert is None:
-            p.add_argument(*flag.names, action="store_true", help=flag.help)
+            p.add_argument(*flag.names, dest=flag.dest, action="store_true", help=flag.help)
         else:
-            p.add_argument(*flag.names, metavar=flag.dest.upper(), help=flag.help + shown)
+            p.add_argument(*flag.names, dest=flag.dest, metavar=flag.dest.upper(), help=flag.help + shown)
     return p
 
 

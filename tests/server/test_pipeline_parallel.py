@@ -48,16 +48,22 @@ def one_process(start_server, llama8):
         server.kill()
 
 
-@pytest.mark.parametrize("extra", [[], ["--kv-unified", "--spec-type", "draft-mtp", "--spec-draft-p-min", "0"]],
-                         ids=["per-slot", "unified+mtp"])
-def test_two_stages_give_the_tokens_of_one_process(start_server, llama8, one_process, extra):
+UNIFIED_MTP = ["--kv-unified", "--spec-type", "draft-mtp", "--spec-draft-p-min", "0"]
+
+
+@pytest.mark.parametrize("extra, layers", [
+    (["-pp", "2"], [[0, 4], [4, 8]]),
+    (["-pp", "2", *UNIFIED_MTP], [[0, 4], [4, 8]]),
+    (["-pp", "3", "--layer-split", "2,3,3", "--pipeline-depth", "2"], [[0, 2], [2, 5], [5, 8]]),
+], ids=["per-slot", "unified+mtp", "three-stages"])
+def test_stages_in_processes_give_the_tokens_of_one_process(start_server, llama8, one_process, extra, layers):
     if "--spec-type" in extra:
         extra = [*extra, "-md", str(llama8 / "draft.safetensors")]
-    server = start_server(["-m", str(llama8), *COMMON, "-pp", "2", *extra])
+    server = start_server(["-m", str(llama8), *COMMON, *extra])
     try:
         got = complete_both(server)
         with server.client() as c:
-            pipeline = c.get("/props").json()["pipeline"]
+            props = c.get("/props").json()
         log = server.log_text()
     finally:
         server.kill()
@@ -66,9 +72,10 @@ def test_two_stages_give_the_tokens_of_one_process(start_server, llama8, one_pro
         assert mine["logprobs"]["token_logprobs"] == pytest.approx(theirs["logprobs"]["token_logprobs"], abs=1e-4)
     if "--spec-type" in extra:  # drafts were verified (and mostly rejected: the cache rolled back)
         assert all(r["timings"]["draft_n"] > r["timings"]["draft_n_accepted"] for r in got)
-    assert pipeline == {"ranks": 2, "depth": 2, "stages": [{"rank": 0, "device": "cpu", "layers": [0, 4]},
-                                                           {"rank": 1, "device": "cpu", "layers": [4, 8]}]}
-    assert "pipeline stage 1 (rank 1 of 2): layers 4..7 on cpu loaded" in log
+    assert props["stages"] == len(layers) and props["pipeline_depth"] == 2
+    assert props["pipeline_stages"] == [{"rank": r, "device": "cpu", "layers": span} for r, span in enumerate(layers)]
+    last = len(layers) - 1
+    assert f"pipeline stage {last} (rank {last} of {len(layers)}): layers {layers[-1][0]}..7 on cpu loaded" in log
 
 
 def worker_of(server) -> int:

@@ -1,0 +1,174 @@
+"""What a placement asks of each device. Before any weights are read, from the headers: the named
+devices exist, and each one's weights and KV cache at the requested context and slots fit its
+memory (`check_devices`, `check_fit`). Once loaded, what each device holds (`measure`, for the load
+log and /props).
+
+The estimate counts what dominates: the linear layers' weights in their format, the embedding
+copies (engine/model.py keeps one per device that reads it), K and V in their cache types with a
+QSA layer's pooled keys, and the draft (a detached MTP draft by its file's size). Norms, RoPE tables
+and activations are left out: they are a rounding error next to these.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from engine.config import ModelConfig
+from engine.errors import ConfigError
+from engine.mtp import MTPDraft
+from engine.placement import Placement
+from engine.quant import BYTES_PER_WEIGHT, compute_dtype
+from engine.weights import open_model
+
+if TYPE_CHECKING:
+    from engine.engine import EngineConfig
+
+# Bytes per cached value: q8_0 holds an int8 and one f16 scale per block of 32.
+KV_BYTES = {"f32": 4.0, "f16": 2.0, "bf16": 2.0, "q8_0": 1 + 2 / 32}
+MIB = 2**20
+
+
+@dataclass
+class DeviceNeed:
+    weights: int = 0
+    kv: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.kv
+
+
+def layer_weight_bytes(c: ModelConfig, dtype: str) -> int:
+    """One decoder layer's linear weights in the weight format."""
+    embeddings = c.vocab_size * c.hidden_size * (1 if c.tie_word_embeddings else 2)
+    per_layer = (c.num_parameters() - embeddings - c.hidden_size) // c.num_layers
+    return per_layer * BYTES_PER_WEIGHT[dtype]
+
+
+def layer_kv_bytes(c: ModelConfig, ratio: int, positions: int, kv_types: tuple[str, str]) -> int:
+    """One layer's K and V for `positions` positions, and its pooled keys when it is a QSA layer."""
+    kv = positions * c.kv_size * (KV_BYTES[kv_types[0]] + KV_BYTES[kv_types[1]])
+    return int(kv + (positions // ratio * c.kv_size * 4 if ratio else 0))
+
+
+def device_needs(config: "EngineConfig", model: ModelConfig, placement: Placement,
+                 draft_layers: int) -> dict[str, DeviceNeed]:
+    """Estimated bytes per device, the draft's included (draft_layers: a detached MTP draft's)."""
+    needs = {device: DeviceNeed() for device in (*placement.devices, placement.draft_device)}
+    positions = config.ctx_per_slot * (1 if config.kv_unified else config.parallel)
+    for device, ratio in zip(placement.layer_devices(), model.layer_ratios):
+        needs[device].weights += layer_weight_bytes(model, config.dtype)
+        needs[device].kv += layer_kv_bytes(model, ratio, positions, config.kv_types)
+    table = model.vocab_size * model.hidden_size
+    first, last = placement.devices[0], placement.devices[-1]
+    needs[last].weights += table * BYTES_PER_WEIGHT[config.dtype]  # the lm_head
+    embed_bytes = table * (BYTES_PER_WEIGHT[config.dtype] if model.tie_word_embeddings
+                           else compute_dtype(config.dtype).itemsize)
+    if not model.tie_word_embeddings or first != last:
+        needs[first].weights += embed_bytes
+    spec, draft = config.spec, needs[placement.draft_device]
+    # A draft's cache is per slot, in the compute dtype.
+    draft_positions = config.ctx_per_slot * config.parallel
+    draft_kv = ("bf16", "bf16") if compute_dtype(config.dtype) == torch.bfloat16 else ("f32", "f32")
+    if spec is not None and spec.type == "draft-mtp":
+        draft.weights += os.path.getsize(spec.draft_model)
+        draft.kv += draft_layers * layer_kv_bytes(model, 0, draft_positions, draft_kv)
+        if placement.draft_device != first:  # its own embedding copy
+            draft.weights += embed_bytes
+    elif spec is not None and spec.type == "draft-simple":
+        small = open_model(spec.draft_model).config
+        draft.weights += small.num_layers * layer_weight_bytes(small, config.dtype) + small.vocab_size \
+            * small.hidden_size * BYTES_PER_WEIGHT[config.dtype] * (1 if small.tie_word_embeddings else 2)
+        draft.kv += small.num_layers * layer_kv_bytes(small, 0, draft_positions, draft_kv)
+    return {d: n for d, n in needs.items() if n.total}
+
+
+def device_memory(device: str) -> int:
+    """The device's memory in bytes: the machine's RAM for the CPU (every CPU stage shares it)."""
+    if device == "cpu":
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return torch.cuda.get_device_properties(torch.device(device)).total_memory
+
+
+def check_devices(placement: Placement) -> None:
+    """Raises ConfigError naming the field and the device that this machine does not have."""
+    named = [("devices", d) for d in placement.devices] + [("draft_device", placement.draft_device)]
+    for field, device in named:
+        if device == "cpu":
+            continue
+        if not torch.cuda.is_available():
+            raise ConfigError(f"{field}={device!r}: no CUDA device is usable here (torch {torch.__version__} "
+                              f"{'has no CUDA support' if torch.version.cuda is None else 'finds no device'}); "
+                              f"use cpu")
+        count, index = torch.cuda.device_count(), torch.device(device).index
+        if index >= count:
+            raise ConfigError(f"{field}={device!r}: no such device, this machine has {count} CUDA device(s), "
+                              f"cuda:0 .. cuda:{count - 1}")
+
+
+def check_fit(config: "EngineConfig", model: ModelConfig, placement: Placement, draft_layers: int) -> None:
+    """Raises ConfigError when a device's estimated weights and KV cache exceed its memory."""
+    for device, need in device_needs(config, model, placement, draft_layers).items():
+        have = device_memory(device)
+        if need.total > have:
+            raise ConfigError(
+                f"ctx_size={config.ctx_size}: {device} would need about {need.total / MIB:.0f} MiB (weights "
+                f"{need.weights / MIB:.0f} MiB + KV cache {need.kv / MIB:.0f} MiB at parallel={config.parallel}) "
+                f"but has {have / MIB:.0f} MiB; use a smaller ctx_size or fewer slots, or move layers to "
+                f"another device")
+
+
+@dataclass
+class DeviceUsage:
+    """What one device holds once the model is loaded."""
+    device: str
+    stages: list[int] = field(default_factory=list)
+    layers: list[int] = field(default_factory=list)  # trunk layers
+    weight_bytes: int = 0
+    kv_bytes: int = 0
+    embedding_copies: int = 0  # tables holding the token embedding (a tied lm_head counts)
+    draft: bool = False
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+    def describe(self) -> str:
+        """The load log's line for the device."""
+        layers = f"layers {self.layers[0]}-{self.layers[-1]}" if self.layers else "no trunk layers"
+        stages = f"stage{'s' if len(self.stages) > 1 else ''} {','.join(map(str, self.stages))}, " if self.stages \
+            else ""
+        draft = ", the draft" if self.draft else ""
+        return (f"{self.device}: {stages}{layers}{draft}, weights {self.weight_bytes / MIB:.0f} MiB, KV cache "
+                f"{self.kv_bytes / MIB:.0f} MiB, {self.embedding_copies} embedding cop"
+                f"{'y' if self.embedding_copies == 1 else 'ies'}")
+
+
+def measure(model, cache, draft_device: str | None = None, draft_model=None, draft_cache=None) -> list[DeviceUsage]:
+    """What each device holds of a loaded model (engine.model.Transformer) and its cache, and of the
+    draft (on draft_device, None without one: its model and cache when it has them), in stage
+    order, the draft's device last when it holds no stage. The RoPE tables count where they sit."""
+    usage: dict[str, DeviceUsage] = {}
+
+    def at(device: torch.device | str) -> DeviceUsage:
+        return usage.setdefault(str(device), DeviceUsage(str(device)))
+
+    for index, stage in enumerate(model.stages):
+        at(stage.device).stages.append(index)
+        at(stage.device).layers.extend(layer.index for layer in stage.layers)
+    if draft_device is not None:
+        at(draft_device).draft = True
+    for module in filter(None, (model, draft_model)):
+        for buffer in module.buffers():
+            at(buffer.device).weight_bytes += buffer.nbytes
+    for part in filter(None, (cache, draft_cache)):
+        for layer, device in enumerate(part.devices):
+            at(device).kv_bytes += part.layer_nbytes(layer)
+    # Copies of the target's embedding table: its own, a tied lm_head, a detached draft's.
+    tables = [model.embed, model.lm_head if model.config.tie_word_embeddings else None,
+              draft_model.embed if isinstance(draft_model, MTPDraft) else None]
+    for table in filter(None, tables):
+        at(table.weight.device).embedding_copies += 1
+    return list(usage.values())
