@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import sys
 
 import uvicorn
@@ -85,11 +86,17 @@ def main(argv: list[str] | None = None) -> int:
         # From this, the main thread: a worker's parent-death signal fires when its spawning thread exits.
         workers = ranks.LocalWorkers(argv, engine_config.pipeline_parallel_size)
         rank = workers.rank
+    runner = EngineRunner(engine_config, headers, rank, workers)
     try:
-        return serve(settings, EngineRunner(engine_config, headers, rank, workers))
+        code = serve(settings, runner)
     finally:
         if workers is not None:
             workers.stop()
+    if runner.loading:
+        # The load still waits for ranks that are gone; torch cannot be finalized under it.
+        logging.shutdown()
+        os._exit(code)
+    return code
 
 
 def serve(settings: ServerSettings, runner: EngineRunner) -> int:

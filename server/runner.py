@@ -54,6 +54,12 @@ class EngineRunner:
         self.load_error: BaseException | None = None
         self.in_flight = 0
         self._loaded = threading.Event()
+        self._load_thread: threading.Thread | None = None
+
+    @property
+    def loading(self) -> bool:
+        """Whether the load has started and not ended."""
+        return self._load_thread is not None and self._load_thread.is_alive()
 
     @property
     def ready(self) -> bool:
@@ -74,9 +80,23 @@ class EngineRunner:
             finally:
                 self._loaded.set()
 
-        thread = threading.Thread(target=load, name="tandem-load", daemon=True)
+        thread = self._load_thread = threading.Thread(target=load, name="tandem-load", daemon=True)
         thread.start()
+        if self.workers is not None:
+            threading.Thread(target=self._watch_workers, args=(loop, on_failure), name="tandem-workers",
+                             daemon=True).start()
         return thread
+
+    def _watch_workers(self, loop: asyncio.AbstractEventLoop, on_failure) -> None:
+        """Until the engine has loaded: a worker that exits meanwhile (its load failed) fails the
+        load, which would otherwise wait for it to meet the head for minutes."""
+        while not self._loaded.wait(0.5):
+            lost = self.workers.exited()
+            if lost is not None:
+                self.load_error = RuntimeError(f"{lost} before the pipeline's ranks met")
+                log.error("model load failed: %s", self.load_error)
+                loop.call_soon_threadsafe(on_failure, self.load_error)
+                return
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, *, cache_prompt: bool,
                slot_id: int | None) -> Stream:

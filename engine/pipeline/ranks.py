@@ -84,15 +84,18 @@ class LocalWorkers:
         """A lost stage named by the worker that exited, when one did. Its sockets close while it
         exits, so the head may hear of it before the process is gone: it gets a moment to be."""
         deadline = time.monotonic() + EXIT_GRACE_S
-        while True:
-            for r, proc in self.procs.items():
-                code = proc.poll()
-                if code is not None:
-                    how = f"killed by signal {-code}" if code < 0 else f"exited with status {code}"
-                    return f"pipeline stage {r} (rank {r}, pid {proc.pid}) {how}"
-            if time.monotonic() > deadline:
-                return None
+        while (lost := self.exited()) is None and time.monotonic() < deadline:
             time.sleep(0.05)
+        return lost
+
+    def exited(self) -> str | None:
+        """The first worker that has exited, named by stage, or None while all run."""
+        for r, proc in self.procs.items():
+            code = proc.poll()
+            if code is not None:
+                how = f"killed by signal {-code}" if code < 0 else f"exited with status {code}"
+                return f"pipeline stage {r} (rank {r}, pid {proc.pid}) {how}"
+        return None
 
     def stop(self, timeout: float = 5.0) -> None:
         """SIGTERM, then SIGKILL for any still running after `timeout` seconds."""

@@ -79,7 +79,7 @@ def test_stages_in_processes_give_the_tokens_of_one_process(start_server, llama8
 
 
 def worker_of(server) -> int:
-    workers = wait_until(lambda: descendants(server.proc.pid), 10, "the head's worker process")
+    workers = wait_until(lambda: descendants(server.proc.pid), 60, "the head's worker process")  # a loaded machine
     assert len(workers) == 1, workers
     return workers[0]
 
@@ -133,6 +133,13 @@ def test_a_hung_worker_fails_the_stream_within_the_pipeline_timeout(start_server
     finally:
         os.kill(worker, signal.SIGKILL)
         server.kill()
+
+
+def test_a_worker_lost_while_loading_fails_the_load(start_server, llama8):
+    server = start_server(["-m", str(llama8), "-pp", "2"], wait=False)
+    os.kill(worker_of(server), signal.SIGKILL)
+    assert server.proc.wait(30) == 1
+    assert "model load failed: pipeline stage 1 (rank 1, pid" in server.log_text()
 
 
 def test_sigkill_of_the_head_takes_its_workers(start_server, llama8):
