@@ -128,14 +128,23 @@ def pipelined_forward(model, depth: int, batch: ForwardBatch, cache) -> torch.Te
     starts = (batch.last_token_indices() + 1 - torch.tensor([len(r.tokens) for r in batch.rows])).tolist()
     flights, indices = [], []
     with torch.inference_mode():
-        for group in groups:
-            sub = ForwardBatch.build([batch.rows[i] for i in group])
-            x = model.embed_tokens(sub.token_ids)
-            cos, sin = model.cos[sub.positions], model.sin[sub.positions]
-            for stage in local:
-                x = stage.run(x, sub, cos, sin, cache)
-            flights.append(remote.start(x, sub.rows))
-            indices.append(torch.cat([torch.arange(starts[i], starts[i] + len(batch.rows[i].tokens)) for i in group]))
+        try:
+            for group in groups:
+                sub = ForwardBatch.build([batch.rows[i] for i in group])
+                x = model.embed_tokens(sub.token_ids)
+                cos, sin = model.cos[sub.positions], model.sin[sub.positions]
+                for stage in local:
+                    x = stage.run(x, sub, cos, sin, cache)
+                flights.append(remote.start(x, sub.rows))
+                indices.append(torch.cat([torch.arange(starts[i], starts[i] + len(batch.rows[i].tokens))
+                                          for i in group]))
+        except Exception:
+            # The micro-batches already sent must still be answered, or their results would be
+            # taken for the next step's.
+            for flight in flights:
+                with contextlib.suppress(PipelineError):
+                    flight.result()
+            raise
         out = torch.empty(batch.num_tokens, model.config.hidden_size, dtype=model.compute_dtype, device=remote.device)
         for flight, index in zip(flights, indices):
             out[index.to(remote.device)] = flight.result().to(remote.device)

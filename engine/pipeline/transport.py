@@ -1,10 +1,11 @@
 """Messages between neighbouring ranks of the ring, as tensors over torch.distributed point-to-point.
 
-A message is a fixed header (`HEADER_SIZE` int64: the operation and the sizes of what follows), then
-its payloads: the cache operations [C, 3], the rows [R, 3] (slot, start, tokens) and the hidden
-states [N, hidden]. A receiver learns every size from the header before it posts the payloads'
-receives. Every wait is bounded: a timed-out wait breaks the link for good (gloo closes the pair),
-which is what a hung or lost peer means here.
+A message is a fixed header (`HEADER_SIZE` int64: the operation, the number of cache operations,
+of rows and of tokens), then its payloads: the cache operations and the rows as one int64 [C + R, 3]
+((CacheOp, slot, length), then (slot, start, tokens)) and the hidden states [N, hidden]. A receiver
+learns every size from the header before it posts the payloads' receives. Every wait is bounded: a
+timed-out wait breaks the link for good (gloo closes the pair), which is what a hung or lost peer
+means here.
 """
 from __future__ import annotations
 

@@ -6,6 +6,7 @@ import logging
 
 import torch
 
+from engine.arena import move_to_huge_pages
 from engine.batch import ForwardBatch
 from engine.kv_cache import KV_DTYPES, KVCache, PagedKVCache
 from engine.model import DecoderLayer, Stage
@@ -39,6 +40,7 @@ class WorkerStage:
         specs = [LayerSpec.of(config.layer_ratios[i], config.qsa_budget) for i in layers]
         self.stage = Stage([DecoderLayer(config, renamed, i, dtype, spec) for i, spec in enumerate(specs)], device,
                            False, False)
+        move_to_huge_pages(self.stage)
         c = engine_config
         cos, sin = rope_table(config.rope, config.head_dim, max(c.ctx_per_slot, config.max_position_embeddings))
         self.cos, self.sin = cos.to(compute_dtype(dtype)), sin.to(compute_dtype(dtype))
