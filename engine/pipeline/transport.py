@@ -83,6 +83,7 @@ class Link:
     the next header's receive is always posted before it can arrive (`recv` posts the following
     one as soon as one comes in, the head posts a result's receives as it sends the micro-batch),
     and headers travel under their own tag, so that a posted header receive never takes a payload.
+    nccl matches by order alone (no tags), so under it (messages on a GPU) nothing is posted ahead.
     """
 
     def __init__(self, rank: int, world: int, hidden_size: int, dtype: torch.dtype, device: torch.device):
@@ -113,7 +114,7 @@ class Link:
         its parts."""
         header, works = self._header or self._post_header()
         Pending(works, [header], timeout, self.prev).wait()
-        self._header = self._post_header()
+        self._header = self._post_header() if self.device.type == "cpu" else None
         op, n_ops, n_rows, n = header.tolist()
         if op not in Op.__members__.values():
             raise LinkError(self.prev, f"unknown operation {op} in a message header")
