@@ -209,8 +209,8 @@ class Engine:
             devices = measure(model, cache, placement.draft_device, drafter.model, drafter.cache)
         else:
             devices = measure(model, cache)
-        log.info("%d stage(s) in %d process(es), pipeline depth %d", len(stages), config.pipeline_parallel_size,
-                 config.depth)
+        log.info("%d stage(s), pipeline depth %d, %d process(es)", len(stages), config.depth,
+                 config.pipeline_parallel_size)
         for usage in devices:
             log.info("device %s", usage.describe())
         eos = set(mc.eos_token_ids)
