@@ -19,7 +19,8 @@ from engine.rope import rope_table
 log = logging.getLogger("tandem.pipeline")
 
 # An idle head sends a heartbeat every HEARTBEAT_S; a worker that hears nothing for IDLE_TIMEOUT_S
-# takes the head for lost and exits (within 10 s of losing it, as a torchrun worker must).
+# (or the pipeline timeout, when that is longer: a head computing a long micro-batch is silent)
+# takes the head for lost and exits. A head that dies closes its sockets, which ends the wait at once.
 HEARTBEAT_S = 1.0
 IDLE_TIMEOUT_S = 9.0
 
@@ -66,9 +67,9 @@ class WorkerStage:
 def serve(stage: WorkerStage, link: Link, timeout: float) -> None:
     """Until the head says stop: each message from the previous rank, handled and passed on.
     Raises LinkError when a neighbour is lost or silent for too long."""
-    last = link.next == 0
+    last, silence = link.next == 0, max(IDLE_TIMEOUT_S, timeout)
     while True:
-        msg = link.recv(IDLE_TIMEOUT_S)
+        msg = link.recv(silence)
         if msg.op in (Op.HEARTBEAT, Op.STOP):
             if not last:
                 link.send(msg, timeout).wait()

@@ -78,6 +78,23 @@ def test_stages_in_processes_give_the_tokens_of_one_process(start_server, llama8
     assert f"pipeline stage {last} (rank {last} of {len(layers)}): layers {layers[-1][0]}..7 on cpu loaded" in log
 
 
+def test_qsa_layers_on_both_stages_give_the_tokens_of_one_process(start_server, llama8):
+    """Every fourth layer QSA (layers 3 and 7: one per stage), prompts past the budget: each stage
+    pools the keys of the layers it owns."""
+    qsa = ["-m", str(llama8), *COMMON, "--compress-ratios", "every4:4", "--qsa-budget", "8"]
+    texts = []
+    for extra in ([], ["-pp", "2"]):
+        server = start_server([*qsa, *extra])
+        try:
+            texts.append(complete_both(server))
+        finally:
+            server.kill()
+    alone, split = texts
+    for mine, theirs in zip(split, alone):
+        assert mine["text"] == theirs["text"]
+        assert mine["logprobs"]["token_logprobs"] == pytest.approx(theirs["logprobs"]["token_logprobs"], abs=1e-4)
+
+
 def worker_of(server) -> int:
     workers = wait_until(lambda: descendants(server.proc.pid), 60, "the head's worker process")  # a loaded machine
     assert len(workers) == 1, workers
