@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -14,11 +13,7 @@ from pathlib import Path
 import httpx
 import yaml
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from engine.pipeline.ports import free_port
 
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from engine.errors import ConfigError
+from engine.pipeline.ports import free_port
 from engine.placement import Placement
 
 log = logging.getLogger("tandem.pipeline")
@@ -67,7 +68,6 @@ class LocalWorkers:
     """Ranks 1..N-1 as children of this process: started from the main thread, stopped with it."""
 
     def __init__(self, argv: list[str], stages: int):
-        from bench.processes import free_port
         port = free_port()
         self.rank = Rank(0, stages, f"tcp://127.0.0.1:{port}")
         parent = os.getpid()
