@@ -1,6 +1,7 @@
 """`python -m bench.devices`: what splitting the trunk costs, in one process or over several: TG at
 batch 1 and the aggregate TG of 4 slots, the unsplit model against each placement and each -pp size
-asked for, in alternating runs; prints medians and each split's ratio to unsplit.
+asked for, in alternating runs; prints medians and each split's ratio to unsplit, and first whether
+each split's greedy tokens equal the unsplit model's (on a GPU: `--placements cuda:0,cpu cuda:0`).
 
     python -m bench.devices [-m default] [--placements cpu,cpu ...] [--pp 2 ...] [--runs 5] [--tokens 64]
                             [--threads 2] [--dtype f32]
@@ -39,6 +40,13 @@ def aggregate_tg(engine, tokens: int) -> float:
     start = min(r.t_first_token for r in requests)
     end = max(r.t_finished for r in requests)
     return sum(len(r.output_ids) - 1 for r in requests) / (end - start)
+
+
+def greedy_tokens(engine, tokens: int) -> list[int]:
+    from engine.sampling import SamplingParams
+    params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+    return [t for out in engine.generate(engine.tokenizer.encode(PROMPT), params, cache_prompt=False)
+            for t in out.token_ids]
 
 
 def parse_placement(text: str) -> tuple[tuple[str, ...], tuple[int, ...] | None]:
@@ -84,8 +92,11 @@ def main(argv: list[str] | None = None) -> None:
         engines[f"-pp {stages}"], started = pipeline_engine(a, stages)
         engines[f"-pp {stages}"].start()
         workers.append(started)
-    for engine in engines.values():  # warm-up
-        engine_tg(engine, 8)
+    greedy = {name: greedy_tokens(engine, a.tokens) for name, engine in engines.items()}  # also the warm-up
+    for name in list(engines)[1:]:
+        same = greedy[name] == greedy["unsplit"]
+        print(f"{name}: greedy tokens {'equal' if same else 'DIFFER from'} unsplit's"
+              + ("" if same else f" ({greedy[name]} vs {greedy['unsplit']})"), flush=True)
     rows: dict[str, list[float]] = {}
     for run in range(a.runs):
         for name, engine in engines.items():

@@ -24,8 +24,8 @@ from engine.model import Transformer
 from engine.options import CompressRatios
 from engine.pipeline.head import MirroredCache, PipelineError, RemoteStages, pipelined_forward
 from engine.pipeline.ranks import Rank, join
-from engine.placement import Placement
 from engine.pipeline.transport import Link
+from engine.placement import Placement, is_device_name
 from engine.preflight import Headers, describe_cache, read_headers
 from engine.quant import DTYPES
 from engine.request import Draft, Request, Status, StepOutput
@@ -79,6 +79,9 @@ class EngineConfig:
             (self.batch_size >= self.parallel, "batch_size", self.batch_size,
              f"must be at least parallel={self.parallel}"),
             (self.threads is None or self.threads >= 1, "threads", self.threads, "must be >= 1"),
+            (len(self.devices) >= 1 and all(map(is_device_name, self.devices)), "devices", self.devices,
+             "must be one or more of cpu, cuda:N"),
+            (is_device_name(self.draft_device), "draft_device", self.draft_device, "must be cpu or cuda:N"),
             (self.pipeline_parallel_size >= 1, "pipeline_parallel_size", self.pipeline_parallel_size, "must be >= 1"),
             (self.pipeline_depth is None or self.pipeline_depth >= 1, "pipeline_depth", self.pipeline_depth,
              "must be >= 1"),

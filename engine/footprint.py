@@ -3,10 +3,10 @@ devices exist, and each one's weights and KV cache at the requested context and 
 memory (`check_devices`, `check_fit`). Once loaded, what each device holds (`measure`, for the load
 log and /props).
 
-The estimate counts what dominates: the linear layers' weights in their format, the embedding
-copies (engine/model.py keeps one per device that reads it), K and V in their cache types with a
-QSA layer's pooled keys, and the draft (a detached MTP draft by its file's size). Norms, RoPE tables
-and activations are left out: they are a rounding error next to these.
+The estimate counts the layers' weights in their format, the lm_head and the embedding copies
+(engine/model.py keeps one per device that reads it), K and V in their cache types with a QSA
+layer's pooled keys, and the draft (a detached MTP draft by its file's size). The RoPE tables and
+activations are left out: they are a rounding error next to these.
 """
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ import torch
 
 from engine.config import ModelConfig
 from engine.errors import ConfigError
+from engine.kv_cache import KV_BYTES_PER_VALUE
 from engine.mtp import MTPDraft
 from engine.placement import Placement
 from engine.quant import BYTES_PER_WEIGHT, compute_dtype
@@ -26,8 +27,6 @@ from engine.weights import open_model
 if TYPE_CHECKING:
     from engine.engine import EngineConfig
 
-# Bytes per cached value: q8_0 holds an int8 and one f16 scale per block of 32.
-KV_BYTES = {"f32": 4.0, "f16": 2.0, "bf16": 2.0, "q8_0": 1 + 2 / 32}
 MIB = 2**20
 
 
@@ -42,15 +41,24 @@ class DeviceNeed:
 
 
 def layer_weight_bytes(c: ModelConfig, dtype: str) -> int:
-    """One decoder layer's linear weights in the weight format."""
+    """One decoder layer's weights: the linear ones in the weight format (int8 with an f32 scale
+    per output channel), the norms in the compute dtype."""
     embeddings = c.vocab_size * c.hidden_size * (1 if c.tie_word_embeddings else 2)
     per_layer = (c.num_parameters() - embeddings - c.hidden_size) // c.num_layers
-    return per_layer * BYTES_PER_WEIGHT[dtype]
+    norms = 2 * c.hidden_size + (2 * c.head_dim if c.qk_norm else 0)
+    outputs = c.q_size + 2 * c.kv_size + c.hidden_size + 2 * c.intermediate_size + c.hidden_size
+    return (per_layer - norms) * BYTES_PER_WEIGHT[dtype] + norms * compute_dtype(dtype).itemsize \
+        + (4 * outputs if dtype == "int8" else 0)
+
+
+def table_bytes(c: ModelConfig, dtype: str) -> int:
+    """A [vocab, hidden] table (the lm_head, a tied embedding) in the weight format."""
+    return c.vocab_size * (c.hidden_size * BYTES_PER_WEIGHT[dtype] + (4 if dtype == "int8" else 0))
 
 
 def layer_kv_bytes(c: ModelConfig, ratio: int, positions: int, kv_types: tuple[str, str]) -> int:
     """One layer's K and V for `positions` positions, and its pooled keys when it is a QSA layer."""
-    kv = positions * c.kv_size * (KV_BYTES[kv_types[0]] + KV_BYTES[kv_types[1]])
+    kv = positions * c.kv_size * (KV_BYTES_PER_VALUE[kv_types[0]] + KV_BYTES_PER_VALUE[kv_types[1]])
     return int(kv + (positions // ratio * c.kv_size * 4 if ratio else 0))
 
 
@@ -62,11 +70,10 @@ def device_needs(config: "EngineConfig", model: ModelConfig, placement: Placemen
     for device, ratio in zip(placement.layer_devices(), model.layer_ratios):
         needs[device].weights += layer_weight_bytes(model, config.dtype)
         needs[device].kv += layer_kv_bytes(model, ratio, positions, config.kv_types)
-    table = model.vocab_size * model.hidden_size
     first, last = placement.devices[0], placement.devices[-1]
-    needs[last].weights += table * BYTES_PER_WEIGHT[config.dtype]  # the lm_head
-    embed_bytes = table * (BYTES_PER_WEIGHT[config.dtype] if model.tie_word_embeddings
-                           else compute_dtype(config.dtype).itemsize)
+    needs[last].weights += table_bytes(model, config.dtype)  # the lm_head
+    embed_bytes = table_bytes(model, config.dtype) if model.tie_word_embeddings else \
+        model.vocab_size * model.hidden_size * compute_dtype(config.dtype).itemsize
     if not model.tie_word_embeddings or first != last:
         needs[first].weights += embed_bytes
     spec, draft = config.spec, needs[placement.draft_device]
@@ -80,8 +87,8 @@ def device_needs(config: "EngineConfig", model: ModelConfig, placement: Placemen
             draft.weights += embed_bytes
     elif spec is not None and spec.type == "draft-simple":
         small = open_model(spec.draft_model).config
-        draft.weights += small.num_layers * layer_weight_bytes(small, config.dtype) + small.vocab_size \
-            * small.hidden_size * BYTES_PER_WEIGHT[config.dtype] * (1 if small.tie_word_embeddings else 2)
+        draft.weights += small.num_layers * layer_weight_bytes(small, config.dtype) \
+            + table_bytes(small, config.dtype) * (1 if small.tie_word_embeddings else 2)
         draft.kv += small.num_layers * layer_kv_bytes(small, 0, draft_positions, draft_kv)
     return {d: n for d, n in needs.items() if n.total}
 

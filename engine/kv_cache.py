@@ -23,6 +23,8 @@ from engine.qsa import DENSE, LayerSpec, block_means
 # q8_0 is named by torch.int8 here; the cache stores it as Q8Storage, which reads back as float32.
 KV_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16, "q8_0": torch.int8}
 Q8_BLOCK = 32
+# What one cached value costs: q8_0 holds an int8 and one f16 scale per block of 32.
+KV_BYTES_PER_VALUE = {d: (1 + 2 / Q8_BLOCK if d == "q8_0" else t.itemsize) for d, t in KV_DTYPES.items()}
 
 
 class Q8Storage:

@@ -23,6 +23,11 @@ def parse_device(text: str) -> str:
     return "cuda:0" if name == "cuda" else name
 
 
+def is_device_name(name: str) -> bool:
+    """Whether `name` is a device as parse_device gives it: cpu or cuda:N."""
+    return name == "cpu" or re.fullmatch(r"cuda:\d+", name) is not None
+
+
 def parse_devices(text: str) -> tuple[str, ...]:
     """A comma list of device names, in stage order. Raises ValueError with the rule."""
     try:

@@ -60,7 +60,7 @@ def select_blocks(q: torch.Tensor, kpool: torch.Tensor, positions: torch.Tensor,
     n = int(visible.max())
     qg = q.float().view(t, kv_heads, heads // kv_heads, d)
     scores = torch.einsum("tkgd,kbd->tkgb", qg, kpool[:, :n]).relu().sum((1, 2)) * d ** -0.5  # [T, n]
-    scores = scores.masked_fill(torch.arange(n) >= visible[:, None], -torch.inf)
+    scores = scores.masked_fill(torch.arange(n, device=q.device) >= visible[:, None], -torch.inf)
     # A stable sort keeps equal scores in index order: ties go to the lower block.
     return scores.sort(dim=-1, descending=True, stable=True).indices[:, :spec.keep]
 
@@ -68,15 +68,16 @@ def select_blocks(q: torch.Tensor, kpool: torch.Tensor, positions: torch.Tensor,
 def allowed_keys(positions: torch.Tensor, length: int, kept: torch.Tensor | None, spec: LayerSpec) -> torch.Tensor:
     """[T, length] bool: which key positions each query attends. kept: [T, keep] selected blocks
     of the queries past the budget (rows of queries within it are ignored), or None for none."""
-    keys = torch.arange(length)
+    device = positions.device  # a stage's (engine/placement.py): every index made here lives there
+    keys = torch.arange(length, device=device)
     causal = keys <= positions[:, None]
     if kept is None:
         return causal
     block = keys // spec.ratio  # [length]
     visible = positions // spec.ratio  # [T]
-    chosen = torch.zeros(len(positions), int(visible.max()) + 1, dtype=torch.bool)
+    chosen = torch.zeros(len(positions), int(visible.max()) + 1, dtype=torch.bool, device=device)
     chosen.scatter_(1, kept, True)
-    chosen[torch.arange(len(positions)), visible] = True  # the tail block
+    chosen[torch.arange(len(positions), device=device), visible] = True  # the tail block
     sparse = chosen[:, block.clamp(max=chosen.shape[1] - 1)] & causal
     return torch.where((visible > spec.keep)[:, None], sparse, causal)
 
@@ -95,9 +96,9 @@ def sparse_keys(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, kpool
         # One query: gather its kept blocks and tail, so the cost follows the budget, not L.
         p = int(positions[0])
         blocks = kept[0].sort().values
-        index = torch.cat([(blocks[:, None] * spec.ratio + torch.arange(spec.ratio)).flatten(),
-                           torch.arange(p // spec.ratio * spec.ratio, p + 1)])
+        index = torch.cat([(blocks[:, None] * spec.ratio + torch.arange(spec.ratio, device=q.device)).flatten(),
+                           torch.arange(p // spec.ratio * spec.ratio, p + 1, device=q.device)])
         return keys[:, index], values[:, index], None
-    full = torch.zeros(len(positions), spec.keep, dtype=torch.long)
+    full = torch.zeros(len(positions), spec.keep, dtype=torch.long, device=q.device)
     full[past] = kept
     return keys, values, allowed_keys(positions, keys.shape[1], full, spec)

@@ -8,14 +8,10 @@ import sys
 
 from engine.config import cache_bytes_per_position, describe_rope, with_compression
 from engine.errors import TandemError
-from engine.kv_cache import KV_DTYPES
+from engine.kv_cache import KV_BYTES_PER_VALUE, KV_DTYPES
 from engine.options import CompressRatios
 from engine.quant import BYTES_PER_WEIGHT
 from engine.weights import open_model
-
-
-# q8_0 stores 32 int8 values and one f16 scale per block: 34 bytes per 32 values.
-KV_BYTES_PER_VALUE = {d: (34 / 32 if d == "q8_0" else t.itemsize) for d, t in KV_DTYPES.items()}
 
 
 def _size(n: float) -> str:

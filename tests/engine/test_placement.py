@@ -4,6 +4,9 @@ prefill, decode, parallel slots, MTP speculation, a q8_0 cache and the unified p
 rules (splits, proportions) and what each device is reported to hold."""
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -11,12 +14,16 @@ from engine import kernels
 from engine.arena import move_to_huge_pages
 from engine.batch import ForwardBatch, Row
 from engine.drafter import SpecConfig
+from engine.errors import ConfigError
 from engine.engine import Engine, EngineConfig
+from engine.footprint import device_needs, measure
 from engine.kv_cache import KV_DTYPES, KVCache, PagedKVCache
-from engine.model import Transformer
+from engine.model import Transformer, embed_rows, embedding_table
 from engine.options import CompressRatios
 from engine.placement import Placement, split_by_proportions
+from engine.preflight import read_headers
 from engine.sampling import SamplingParams
+from engine.tiny import write_tiny_model
 from engine.weights import open_model
 from tests.engine.runs import run_all
 from tests.engine.test_qsa_engine import write_llama8_with_drafts
@@ -193,3 +200,59 @@ def test_a_split_that_does_not_fit_the_trunk_names_field_value_and_rule(kwargs, 
 def test_no_split_spreads_the_layers_as_evenly_as_they_go():
     assert Placement.resolve(30, ("cpu", "cuda:0")).layer_split == (15, 15)
     assert Placement.resolve(30, ("cpu", "cuda:0", "cuda:1", "cuda:2")).layer_split == (8, 7, 8, 7)
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"devices": ("cpu", "gpu")}, "devices=('cpu', 'gpu'): must be one or more of cpu, cuda:N"),
+    ({"devices": ()}, "devices=(): must be one or more of cpu, cuda:N"),
+    ({"draft_device": "cuda"}, "draft_device='cuda': must be cpu or cuda:N"),
+])
+def test_an_engine_config_takes_device_names_as_the_flags_give_them(kwargs, message):
+    with pytest.raises(ConfigError) as e:
+        EngineConfig(**kwargs)
+    assert str(e.value) == message
+
+
+@pytest.mark.parametrize("dtype", ["f32", "int8", "bf16"])
+@pytest.mark.parametrize("name", ["llama", "mistral"])  # tied, untied
+def test_an_embedding_copy_embeds_exactly_what_the_model_does(tmp_path, name, dtype):
+    """A first stage or a draft on another device than the lm_head gets its own table: the same rows,
+    in the same format (a tied table's int8 rows, not the f32 ones)."""
+    config = json.loads((Path(__file__).parents[2] / "configs/tiny" / f"{name}.json").read_text())
+    files = open_model(str(write_tiny_model(config, tmp_path / name, seed=3)))
+    tensors = files.load_tensors()
+    model = Transformer(files.config, tensors, dtype, max_positions=16)
+    ids = torch.tensor([0, 5, 300, 5])
+    copy = embed_rows(embedding_table(files.config, tensors, dtype), ids, model.compute_dtype)
+    assert torch.equal(copy, model.embed_tokens(ids))
+
+
+def test_a_draft_with_its_own_embedding_counts_as_a_copy_on_its_device(llama8):
+    spec = SpecConfig(type="draft-mtp", draft_model=str(llama8 / "draft.safetensors"))
+    engine = Engine.load(EngineConfig(model=str(llama8), ctx_size=64, parallel=1, spec=spec))
+    draft = engine.drafter.model
+    assert draft.embed is None  # the target's first stage is on the draft's device: shared
+    [cpu] = measure(engine.model, engine.cache, "cpu", draft, engine.drafter.cache)
+    assert (cpu.embedding_copies, cpu.draft) == (1, True)
+    files = open_model(str(llama8))
+    draft.embed = embedding_table(files.config, files.load_tensors(), "f32")  # as on another device
+    [cpu] = measure(engine.model, engine.cache, "cpu", draft, engine.drafter.cache)
+    assert cpu.embedding_copies == 2
+    ids = torch.tensor([3, 9])
+    assert torch.equal(draft.embed_tokens(ids), engine.model.embed_tokens(ids))
+
+
+@pytest.mark.parametrize("options", [{}, {"kv_unified": True}, {"cache_type": "bf16", "dtype": "int8"},
+                                     {"compress_ratios": CompressRatios.parse("every4:4"), "qsa_budget": 8}])
+def test_the_fit_estimate_is_what_the_engine_allocates(llama8, options):
+    """The check before load counts the same K, V, pooled keys and layer and lm_head weights as the
+    engine then allocates."""
+    config = EngineConfig(model=str(llama8), ctx_size=256, parallel=2, devices=("cpu", "cpu"), **options)
+    headers = read_headers(config)
+    [need] = device_needs(config, headers.model, headers.placement, 0).values()
+    engine = Engine.load(config, headers)
+    [cpu] = engine.devices
+    assert need.kv == cpu.kv_bytes
+    weights = sum(b.nbytes for layer in engine.model.layers for b in layer.buffers()) + \
+        sum(b.nbytes for b in engine.model.lm_head.buffers())
+    assert need.weights == weights
