@@ -95,8 +95,22 @@ def test_qsa_layers_on_both_stages_give_the_tokens_of_one_process(start_server, 
         assert mine["logprobs"]["token_logprobs"] == pytest.approx(theirs["logprobs"]["token_logprobs"], abs=1e-4)
 
 
+def workers_of(server) -> list[int]:
+    """The head's worker processes: its children running the server (not, say, a compiler the CPU
+    kernels' build check starts)."""
+    def is_worker(pid: int) -> bool:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                parent = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                return parent == server.proc.pid and b"-m\0server\0" in f.read()
+        except OSError:
+            return False
+    return [pid for pid in descendants(server.proc.pid) if is_worker(pid)]
+
+
 def worker_of(server) -> int:
-    workers = wait_until(lambda: descendants(server.proc.pid), 60, "the head's worker process")  # a loaded machine
+    workers = wait_until(lambda: workers_of(server), 60, "the head's worker process")  # a loaded machine
     assert len(workers) == 1, workers
     return workers[0]
 
@@ -161,7 +175,7 @@ def test_a_worker_lost_while_loading_fails_the_load(start_server, llama8):
 
 def test_sigkill_of_the_head_takes_its_workers(start_server, llama8):
     server = start_server(["-m", str(llama8), "-pp", "3"])
-    workers = descendants(server.proc.pid)
+    workers = workers_of(server)
     assert len(workers) == 2 and all(alive(p) for p in workers)
     server.proc.kill()
     server.proc.wait(10)
@@ -190,7 +204,7 @@ def test_torchrun_ranks_serve_and_a_worker_exits_soon_after_losing_its_head(llam
     head = ServerProcess(args, tmp_path / "head.log", env={**master, "RANK": "0"})
     try:
         head.wait_ready()
-        assert descendants(head.proc.pid) == []  # torchrun started the worker, not the head
+        assert workers_of(head) == []  # torchrun started the worker, not the head
         with head.client() as c:
             r = c.post("/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8
