@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -14,11 +13,7 @@ from pathlib import Path
 import httpx
 import yaml
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from engine.pipeline.ports import free_port
 
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -26,12 +21,13 @@ LOAD_TIMEOUT = 180.0  # the default model loads in ~12 s on an idle machine; col
 
 
 class ServerProcess:
-    def __init__(self, args: list[str], log_path: Path, api_key: str | None = None):
+    def __init__(self, args: list[str], log_path: Path, api_key: str | None = None, env: dict | None = None):
+        """env: variables added to this process's environment."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
         cmd = [sys.executable, "-m", "server", "--port", str(self.port), "-t", "1", *args]
         if api_key:
             cmd += ["--api-key", api_key]
@@ -102,6 +98,24 @@ def pids_with(text: str) -> list[int]:
     return found
 
 
+def descendants(pid: int) -> list[int]:
+    """The processes started by `pid`, and by them, and so on."""
+    parents: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    parents[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                pass
+    found, frontier = [], [pid]
+    while frontier:
+        kids = [p for p, pp in parents.items() if pp in frontier]
+        found += kids
+        frontier = kids
+    return found
+
+
 def wait_until(predicate, timeout: float, what: str, interval: float = 0.05):
     deadline = time.monotonic() + timeout
     while True:
@@ -143,20 +157,7 @@ class ProxyProcess:
         return self
 
     def descendants(self) -> list[int]:
-        parents: dict[int, int] = {}
-        for entry in os.listdir("/proc"):
-            if entry.isdigit():
-                try:
-                    with open(f"/proc/{entry}/stat") as f:
-                        parents[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
-                except (OSError, IndexError, ValueError):
-                    pass
-        found, frontier = [], [self.proc.pid] if self.proc else []
-        while frontier:
-            kids = [p for p, pp in parents.items() if pp in frontier]
-            found += kids
-            frontier = kids
-        return found
+        return descendants(self.proc.pid) if self.proc else []
 
     def kill_all(self) -> None:
         pids = self.descendants() + pids_with(str(self.root))

@@ -22,7 +22,10 @@ from engine.footprint import DeviceUsage, measure
 from engine.kv_cache import KV_DTYPES, KVCache, PagedKVCache
 from engine.model import Transformer
 from engine.options import CompressRatios
-from engine.placement import is_device_name
+from engine.pipeline.head import MirroredCache, PipelineError, RemoteStages, pipelined_forward
+from engine.pipeline.ranks import Rank, join
+from engine.pipeline.transport import Link
+from engine.placement import Placement, is_device_name
 from engine.preflight import Headers, describe_cache, read_headers
 from engine.probe import ProbeCapture, ProbeSpec
 from engine.quant import DTYPES
@@ -52,6 +55,9 @@ class EngineConfig:
     spec: SpecConfig | None = None
     compress_ratios: CompressRatios | None = None  # overrides the model's (and the draft's, in list form)
     qsa_budget: int | None = None  # overrides the model's
+    pipeline_parallel_size: int = 1  # processes the trunk's stages run in (engine/pipeline)
+    pipeline_depth: int | None = None  # micro-batches a step splits into; None: one per stage
+    pipeline_timeout: float = 8.0  # seconds the head waits for the stages' answer to one micro-batch
     # Where the trunk's layers and the draft run (engine/placement.py): one stage per device, the
     # layers split by count or in proportion (neither: as evenly as they go).
     devices: tuple[str, ...] = ("cpu",)
@@ -77,6 +83,10 @@ class EngineConfig:
             (len(self.devices) >= 1 and all(map(is_device_name, self.devices)), "devices", self.devices,
              "must be one or more of cpu, cuda:N"),
             (is_device_name(self.draft_device), "draft_device", self.draft_device, "must be cpu or cuda:N"),
+            (self.pipeline_parallel_size >= 1, "pipeline_parallel_size", self.pipeline_parallel_size, "must be >= 1"),
+            (self.pipeline_depth is None or self.pipeline_depth >= 1, "pipeline_depth", self.pipeline_depth,
+             "must be >= 1"),
+            (self.pipeline_timeout > 0, "pipeline_timeout", self.pipeline_timeout, "must be > 0"),
         ])
 
     @property
@@ -85,6 +95,11 @@ class EngineConfig:
         if self.kv_unified:
             return self.ctx_size // PagedKVCache.PAGE_SIZE * PagedKVCache.PAGE_SIZE
         return self.ctx_size // self.parallel
+
+    @property
+    def depth(self) -> int:
+        """Micro-batches of a step in flight at once: one in one process, whose stages share it."""
+        return self.pipeline_depth or self.pipeline_parallel_size if self.pipeline_parallel_size > 1 else 1
 
     @property
     def kv_types(self) -> tuple[str, str]:
@@ -144,11 +159,21 @@ class Engine:
     drafter: Drafter | None = None  # when speculation is on
     stats: EngineStats = field(default_factory=EngineStats)
     devices: list[DeviceUsage] = field(default_factory=list)  # what each device holds, as loaded
+    remote: RemoteStages | None = None  # stages 1.. in worker processes (-pp)
+    placement: Placement | None = None  # the whole model's, remote stages included
+
+    @property
+    def failure(self) -> str | None:
+        """Why the engine can serve nothing more (a pipeline stage was lost), else None."""
+        return self.remote.failure if self.remote is not None else None
 
     @classmethod
-    def load(cls, config: EngineConfig, headers: Headers | None = None) -> "Engine":
+    def load(cls, config: EngineConfig, headers: Headers | None = None, rank: Rank | None = None,
+             describe_loss=lambda rank, error: None) -> "Engine":
         """headers: `read_headers(config)` when the caller has already checked them (the server
-        does before it listens; reading a GGUF file's headers takes seconds)."""
+        does before it listens; reading a GGUF file's headers takes seconds). rank: the head's,
+        with -pp (ranks.Rank); it meets the workers once its own stage is loaded. describe_loss:
+        RemoteStages' account of a lost stage."""
         if config.threads:
             torch.set_num_threads(config.threads)
         if headers is None:
@@ -162,8 +187,10 @@ class Engine:
         # Build (or find) the CPU kernels now, not in the first request's forward: the server
         # reports healthy only after load, and a first build takes about a minute.
         log.info("CPU kernels: %s", "ready" if kernels.available() else "unavailable, torch's ops instead")
-        tensors = files.load_tensors()
-        placement = headers.placement
+        stages = headers.placement.stage_ranges()
+        # A pipeline head builds stage 0 and reads only its tensors; RemoteStages stands for the rest.
+        placement = headers.placement if rank is None else headers.placement.first_stage()
+        tensors = files.load_tensors(stages[0] if rank is not None else None)
         model = Transformer(mc, tensors, config.dtype,
                             max_positions=max(config.ctx_per_slot, mc.max_position_embeddings), placement=placement)
         drafter = None
@@ -174,11 +201,11 @@ class Engine:
         log.info("loaded %s (%s, %s) in %.1f s", files.path, mc.family, config.dtype, time.perf_counter() - t0)
         kv_dtypes = tuple(KV_DTYPES[t] for t in config.kv_types)
         if config.kv_unified:
-            cache = PagedKVCache(mc.num_layers, config.parallel, config.ctx_size, mc.num_kv_heads, mc.head_dim,
+            cache = PagedKVCache(placement.num_layers, config.parallel, config.ctx_size, mc.num_kv_heads, mc.head_dim,
                                  *kv_dtypes, specs=model.specs, devices=placement.layer_devices())
             slots = f"1 unified pool of {cache.capacity} positions for {config.parallel} slots"
         else:
-            cache = KVCache(mc.num_layers, config.parallel, config.ctx_per_slot, mc.num_kv_heads, mc.head_dim,
+            cache = KVCache(placement.num_layers, config.parallel, config.ctx_per_slot, mc.num_kv_heads, mc.head_dim,
                             *kv_dtypes, specs=model.specs, devices=placement.layer_devices())
             slots = f"{config.parallel} slots x {config.ctx_per_slot} ctx"
         log.info("KV cache: %s", describe_cache(model.specs, slots, cache.nbytes, cache.kpool_nbytes))
@@ -186,16 +213,27 @@ class Engine:
             devices = measure(model, cache, placement.draft_device, drafter.model, drafter.cache)
         else:
             devices = measure(model, cache)
-        log.info("%d stage(s), pipeline depth 1", len(model.stages))
+        log.info("%d stage(s), pipeline depth %d, %d process(es)", len(stages), config.depth,
+                 config.pipeline_parallel_size)
         for usage in devices:
             log.info("device %s", usage.describe())
         eos = set(mc.eos_token_ids)
         if tokenizer.eos_token_id is not None:
             eos.add(tokenizer.eos_token_id)
         margin = 1 if drafter is not None and drafter.needs_hidden else 0
-        scheduler = Scheduler(config.parallel, config.ctx_per_slot, config.batch_size, config.ubatch_size, cache,
+        remote = None
+        if rank is not None:
+            log.info("pipeline: this head (rank 0) runs stage 0, layers %s; %s", _layer_span(stages[0]),
+                     "; ".join(f"rank {r} stage {r}, layers {_layer_span(s)} on {headers.placement.devices[r]}"
+                               for r, s in enumerate(stages) if r))
+            link = Link(0, rank.world, mc.hidden_size, model.compute_dtype, join(rank, headers.placement, 0))
+            remote = RemoteStages(link, config.pipeline_timeout, placement.devices[0], describe_loss)
+            model.stages.append(remote)  # after the local stage, before the final norm
+        scheduler = Scheduler(config.parallel, config.ctx_per_slot, config.batch_size, config.ubatch_size,
+                              MirroredCache(cache, remote.queued) if remote is not None else cache,
                               reuse_margin=margin, draft_max=config.spec.n_max if config.spec else 0)
-        return cls(config, files, model, tokenizer, cache, scheduler, frozenset(eos), drafter=drafter, devices=devices)
+        return cls(config, files, model, tokenizer, cache, scheduler, frozenset(eos), drafter=drafter, devices=devices,
+                   remote=remote, placement=headers.placement)
 
     # -- any thread ---------------------------------------------------------------------------
 
@@ -228,8 +266,14 @@ class Engine:
                               f"the slot context {ctx} (at most {ctx - n_prompt})")
 
     def check_probe(self, probe: ProbeSpec, n_prompt: int) -> None:
-        """Raise ConfigError unless the probe fits this model and a prompt of n_prompt tokens."""
+        """Raise ConfigError unless the probe fits this model and a prompt of n_prompt tokens. Under
+        -pp only the head's own stage can be probed: its workers' layers send back hidden states only."""
         probe.check(self.model.config.num_layers, n_prompt)
+        if self.remote is not None:
+            own = self.placement.stage_ranges()[0]
+            rule = f"probes need a single process: under -pp only the head's layers {own.start}..{own.stop - 1} can be probed"
+            check_rules([(layer in own, "attention_probe.layers", layer, rule)
+                         for layer in probe.layer_indices(self.placement.num_layers)])
 
     def room_after(self, n_prompt: int) -> int:
         """The most tokens a request with an n_prompt-token prompt can generate."""
@@ -258,6 +302,8 @@ class Engine:
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout=30)
+        if self.remote is not None and (self._thread is None or not self._thread.is_alive()):
+            self.remote.close()
 
     def generate(self, prompt_ids: list[int], params: SamplingParams, **kwargs):
         """Yield the StepOutputs of one request; steps inline when no engine thread runs."""
@@ -281,13 +327,25 @@ class Engine:
             if not self.scheduler.has_work():
                 self._wake.wait(timeout=0.5)
                 self._wake.clear()
+                self._keepalive()
                 continue
             try:
                 self.step()
             except Exception:  # a bug outside the guarded parts (planning): fail what is in flight
                 log.exception("engine step failed; finishing the running requests with an error")
-                for req in self.scheduler.running + list(self.scheduler.waiting):
-                    self._fail(req)
+                self._fail_all()
+
+    def _keepalive(self) -> None:
+        if self.remote is None:
+            return
+        try:
+            self.remote.keepalive()
+        except PipelineError as e:
+            log.error("%s; failing every request", e)
+
+    def _fail_all(self) -> None:
+        for req in self.scheduler.running + list(self.scheduler.waiting):
+            self._fail(req)
 
     def _drain_inbox(self) -> None:
         while not self._inbox.empty():
@@ -309,6 +367,10 @@ class Engine:
         self.stats.busy_slots += len(plan.rows)
         try:
             out = self._forward(plan.rows)
+        except PipelineError as e:  # nothing can run any more: fail what is in flight, and what comes
+            log.error("%s; failing every request", e)
+            self._fail_all()
+            return
         except Exception:
             log.exception("forward failed; failing the %d request(s) in this step", len(plan.rows))
             for p in plan.rows:
@@ -345,7 +407,10 @@ class Engine:
         probes = [p.request.probe if p.request.probe is not None
                   and p.request.probe.wants(p.row.start, len(p.row.tokens)) else None for p in rows]
         batch = ForwardBatch.build([p.row for p in rows], probes if any(probes) else None)
-        hidden = self.model(batch, self.cache)
+        if self.remote is not None:
+            hidden = pipelined_forward(self.model, self.config.depth, batch, self.cache)
+        else:
+            hidden = self.model(batch, self.cache)
         for p in rows:
             probe = p.request.probe
             if probe is not None and not probe.done and p.row.start + len(p.row.tokens) >= probe.n_prompt:
@@ -433,3 +498,7 @@ class StepResult:
     starts: list[int]  # each row's first token in `hidden`
     firsts: list[int]  # each row's first position in `logits`
     now: float
+
+
+def _layer_span(layers: range) -> str:
+    return f"{layers.start}..{layers.stop - 1}"

@@ -122,6 +122,10 @@ class Placement:
             start += n
         return out
 
+    def first_stage(self) -> "Placement":
+        """Stage 0 alone: what a pipeline head builds (engine/pipeline), the other stages being remote."""
+        return Placement(self.devices[:1], self.layer_split[:1], self.draft_device)
+
     def stage_of(self, layer: int) -> int:
         """The stage that holds trunk layer `layer`."""
         return next(i for i, r in enumerate(self.stage_ranges()) if layer in r)

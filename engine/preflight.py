@@ -40,9 +40,17 @@ def read_headers(config: "EngineConfig") -> Headers:
     unpaged = sorted({r for r in model.layer_ratios if r and page % r})
     if config.kv_unified and unpaged:
         raise ConfigError(f"compress_ratios: ratio {unpaged[0]} must divide the KV page size {page} with kv_unified")
+    stages = config.pipeline_parallel_size
+    if stages > model.num_layers:
+        raise ConfigError(f"pipeline_parallel_size={stages}: must be at most the model's {model.num_layers} trunk "
+                          f"layers (one or more per stage)")
+    devices = config.devices
+    if stages > 1 and len(devices) not in (1, stages):
+        raise ConfigError(f"devices={','.join(devices)!r}: with pipeline_parallel_size={stages}, must list one device "
+                          f"per stage ({stages}), or one for all")
     try:
-        placement = Placement.resolve(model.num_layers, config.devices, config.layer_split, config.tensor_split,
-                                      config.draft_device)
+        placement = Placement.resolve(model.num_layers, devices * stages if len(devices) < stages else devices,
+                                      config.layer_split, config.tensor_split, config.draft_device)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     check_devices(placement)

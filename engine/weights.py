@@ -108,9 +108,14 @@ class ModelFiles:
             if tuple(found) != expected:
                 raise WeightsError(f"tensor {name}: expected shape {list(expected)}, found {list(found)}")
 
-    def load_tensors(self) -> dict[str, torch.Tensor]:
-        """Read every expected tensor as f32 under its HF name."""
+    def load_tensors(self, layers: range | None = None, ends: bool = True) -> dict[str, torch.Tensor]:
+        """Read the expected tensors as f32 under their HF names: given `layers`, only those trunk
+        layers' (a pipeline stage's), and the embedding, final norm and lm_head only with `ends`."""
         names = self.expected_shapes()
+        if layers is not None:
+            own = tuple(f"model.layers.{i}." for i in layers)
+            names = {n: shape for n, shape in names.items()
+                     if n.startswith(own) or (ends and not n.startswith("model.layers."))}
         if self.format == "hf":
             return _load_safetensors(self.path, names)
         return _load_gguf(self.gguf_reader, self.config, names)

@@ -7,19 +7,22 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import sys
 
 import uvicorn
 from sse_starlette.sse import AppStatus
 
 from engine.errors import TandemError
+from engine.pipeline import ranks
+from engine.pipeline.worker import worker_main
 from engine.preflight import read_headers
 from server.app import create_app
 from server.cli import configs
 from server.flags import FlagError, help_text, parse_flags
 from server.logs import UVICORN_LOG_OPTIONS, setup_logging
 from server.runner import EngineRunner
-from server.state import ServerState
+from server.state import ServerSettings, ServerState
 
 log = logging.getLogger("tandem.server")
 
@@ -61,6 +64,7 @@ class DrainingServer(uvicorn.Server):
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     try:
         flags = parse_flags(argv)
         if flags.help:
@@ -70,13 +74,36 @@ def main(argv: list[str] | None = None) -> int:
         # Model, draft and compression checked from their headers before the server listens, so a
         # bad one exits 2 here instead of failing the load thread later.
         headers = read_headers(engine_config)
+        rank = ranks.from_env(engine_config.pipeline_parallel_size)
     except (FlagError, TandemError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     setup_logging(flags.log_level, flags.log_format)
+    if rank is not None and not rank.is_head:
+        return worker_main(engine_config, headers, rank)
+    workers = None
+    if rank is None and engine_config.pipeline_parallel_size > 1:
+        # From this, the main thread: a worker's parent-death signal fires when its spawning thread exits.
+        workers = ranks.LocalWorkers(argv, engine_config.pipeline_parallel_size)
+        rank = workers.rank
+    runner = EngineRunner(engine_config, headers, rank, workers)
+    try:
+        code = serve(settings, runner)
+    finally:
+        if workers is not None:
+            workers.stop()
+    if runner.loading:
+        # The load still waits for ranks that are gone; torch cannot be finalized under it.
+        logging.shutdown()
+        os._exit(code)
+    return code
+
+
+def serve(settings: ServerSettings, runner: EngineRunner) -> int:
+    """Listen until a signal drains the server or the model fails to load; the exit status."""
     # Streams end when their request does, not when the signal arrives (see DrainingServer).
     AppStatus.disable_automatic_graceful_drain()
-    state = ServerState(settings, EngineRunner(engine_config, headers))
+    state = ServerState(settings, runner)
     holder: list[DrainingServer] = []
     app = create_app(state, on_load_failure=lambda e: holder[0].fail(e))
     config = uvicorn.Config(app, host=settings.host, port=settings.port, timeout_graceful_shutdown=5, lifespan="on",

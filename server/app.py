@@ -60,6 +60,8 @@ def create_app(state: ServerState, on_load_failure: Callable[[BaseException], No
             return JSONResponse(error_body(500, f"Model failed to load: {state.runner.load_error}"), status_code=500)
         if not state.runner.ready:
             return JSONResponse(error_body(503, "Loading model"), status_code=503)
+        if state.runner.engine.failure is not None:
+            return JSONResponse(error_body(500, f"Engine failed: {state.runner.engine.failure}"), status_code=500)
         return {"status": "ok"}
 
     @app.get("/v1/models")
@@ -96,7 +98,13 @@ def create_app(state: ServerState, on_load_failure: Callable[[BaseException], No
             "qsa_budget": engine.model.config.qsa_budget,
             # Where the model runs (engine/placement.py); one process steps one micro-batch at a time.
             "devices": [usage.as_dict() for usage in engine.devices],
-            "stages": len(engine.model.stages), "pipeline_depth": 1, "draft_device": c.draft_device,
+            "stages": len(engine.placement.layer_split), "pipeline_depth": c.depth,
+            "draft_device": c.draft_device,
+            # Each stage's process (rank 0 is this one; -pp puts one stage in each), device and layers.
+            "pipeline_stages": [{"rank": s if c.pipeline_parallel_size > 1 else 0, "device": device,
+                                 "layers": [layers.start, layers.stop]}
+                                for s, (device, layers) in enumerate(zip(engine.placement.devices,
+                                                                        engine.placement.stage_ranges()))],
         }
 
     @app.get("/slots")

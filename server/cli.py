@@ -21,7 +21,9 @@ def configs(f: ServerFlags) -> tuple[EngineConfig, ServerSettings]:
                           cache_type_v=f.cache_type_v, kv_unified=f.kv_unified, threads=f.threads,
                           chat_template=f.chat_template, spec=spec, compress_ratios=f.compress_ratios,
                           qsa_budget=f.qsa_budget, devices=f.devices, layer_split=f.layer_split,
-                          tensor_split=f.tensor_split, draft_device=f.spec_draft_device)
+                          tensor_split=f.tensor_split, draft_device=f.spec_draft_device,
+                          pipeline_parallel_size=f.pipeline_parallel_size, pipeline_depth=f.pipeline_depth,
+                          pipeline_timeout=f.pipeline_timeout)
     settings = ServerSettings(host=f.host, port=f.port, alias=f.alias, api_key=f.api_key, body_limit=f.body_limit,
                               drain_timeout=f.drain_timeout, queue_limit=f.queue_limit, timeout=f.timeout)
     return engine, settings

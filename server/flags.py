@@ -57,6 +57,9 @@ class ServerFlags:
     tensor_split: tuple[float, ...] | None = None
     compress_ratios: CompressRatios | None = None  # None: the model's own
     qsa_budget: int | None = None  # None: the model's own
+    pipeline_parallel_size: int = 1
+    pipeline_depth: int | None = None  # None: one micro-batch per stage
+    pipeline_timeout: float = 8.0
     help: bool = False
 
 
@@ -162,6 +165,13 @@ _FLAGS = (
           _parsed(CompressRatios.parse)),
     _Flag(("--qsa-budget",), "positions of pooled blocks a QSA query keeps, a multiple of the ratio "
           "(default: the model's)", _ranged(int, 1)),
+    _Flag(("-pp", "--pipeline-parallel-size"), "processes the trunk's layers are split over, one stage each, "
+          "connected by torch.distributed; run alone it starts its workers itself, under torchrun each rank "
+          "takes its stage", _ranged(int, 1)),
+    _Flag(("--pipeline-depth",), "micro-batches (slot groups) a step splits into, so that stages work at once "
+          "(default: the stages)", _ranged(int, 1)),
+    _Flag(("--pipeline-timeout",), "seconds the head waits for the stages' answer to one micro-batch before it "
+          "declares a stage hung", _ranged(float, 0.1)),
     _Flag(("-h", "--help"), "show the flags and exit", None),
 )
 

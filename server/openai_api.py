@@ -67,7 +67,7 @@ def _sse(state: ServerState, prepared: PreparedRequest, fmt, include_usage: bool
             yield {"data": json.dumps(first)}
         async for item in run(state, prepared):
             if isinstance(item, Final) and item.finish_reason == "error":
-                yield {"data": json.dumps(APIError(500, "the engine failed on this request").body())}
+                yield {"data": json.dumps(_engine_error(state).body())}
             elif isinstance(item, Final):
                 last = fmt.final_chunk(item)
                 if include_usage:
@@ -98,12 +98,18 @@ async def _whole(state: ServerState, prepared: PreparedRequest, fmt, request: Re
             item = nxt.result()
             if isinstance(item, Final):
                 if item.finish_reason == "error":
-                    raise APIError(500, "the engine failed on this request")
+                    raise _engine_error(state)
                 return JSONResponse(fmt.whole(pieces, item))
             pieces.append(item)
     finally:
         watcher.cancel()
         await gen.aclose()
+
+
+def _engine_error(state: ServerState) -> APIError:
+    """A request the engine ended with an error: why, when the whole engine failed (a lost stage)."""
+    failure = state.runner.engine.failure
+    return APIError(500, "the engine failed on this request" + (f": {failure}" if failure else ""))
 
 
 class _Format:

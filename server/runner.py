@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass, field
 
 from engine.engine import Engine, EngineConfig
+from engine.pipeline.ranks import LocalWorkers, Rank
 from engine.preflight import Headers
 from engine.probe import ProbeSpec
 from engine.request import Request, StepOutput
@@ -46,12 +47,20 @@ class EngineRunner:
     """Loads the engine off the event loop, then submits requests to it; counts in-flight streams
     so that a graceful shutdown can wait for them."""
 
-    def __init__(self, config: EngineConfig, headers: Headers | None = None):
-        self.config, self.headers = config, headers
+    def __init__(self, config: EngineConfig, headers: Headers | None = None, rank: Rank | None = None,
+                 workers: LocalWorkers | None = None):
+        """rank: the head's with -pp; workers: the ones it started itself, if it did."""
+        self.config, self.headers, self.rank, self.workers = config, headers, rank, workers
         self.engine: Engine | None = None
         self.load_error: BaseException | None = None
         self.in_flight = 0
         self._loaded = threading.Event()
+        self._load_thread: threading.Thread | None = None
+
+    @property
+    def loading(self) -> bool:
+        """Whether the load has started and not ended."""
+        return self._load_thread is not None and self._load_thread.is_alive()
 
     @property
     def ready(self) -> bool:
@@ -60,7 +69,8 @@ class EngineRunner:
     def load_in_background(self, loop: asyncio.AbstractEventLoop, on_failure) -> threading.Thread:
         def load() -> None:
             try:
-                engine = Engine.load(self.config, self.headers)
+                describe_loss = self.workers.describe_loss if self.workers is not None else lambda rank, e: None
+                engine = Engine.load(self.config, self.headers, self.rank, describe_loss)
                 engine.start()
                 self.engine = engine
                 log.info("model loaded; serving")
@@ -71,9 +81,23 @@ class EngineRunner:
             finally:
                 self._loaded.set()
 
-        thread = threading.Thread(target=load, name="tandem-load", daemon=True)
+        thread = self._load_thread = threading.Thread(target=load, name="tandem-load", daemon=True)
         thread.start()
+        if self.workers is not None:
+            threading.Thread(target=self._watch_workers, args=(loop, on_failure), name="tandem-workers",
+                             daemon=True).start()
         return thread
+
+    def _watch_workers(self, loop: asyncio.AbstractEventLoop, on_failure) -> None:
+        """Until the engine has loaded: a worker that exits meanwhile (its load failed) fails the
+        load, which would otherwise wait for it to meet the head for minutes."""
+        while not self._loaded.wait(0.5):
+            lost = self.workers.exited()
+            if lost is not None:
+                self.load_error = RuntimeError(f"{lost} before the pipeline's ranks met")
+                log.error("model load failed: %s", self.load_error)
+                loop.call_soon_threadsafe(on_failure, self.load_error)
+                return
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, *, cache_prompt: bool,
                slot_id: int | None, probe: ProbeSpec | None = None) -> Stream:

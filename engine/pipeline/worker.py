@@ -1,0 +1,105 @@
+"""A worker rank's loop: receive a micro-batch from the previous rank, run this stage's layers on
+it, send the result on; apply the head's cache operations to this stage's cache on the way."""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from engine.arena import move_to_huge_pages
+from engine.batch import ForwardBatch
+from engine.kv_cache import KV_DTYPES, KVCache, PagedKVCache
+from engine.model import DecoderLayer, Stage
+from engine.pipeline.ranks import join
+from engine.pipeline.transport import CacheOp, Link, LinkError, Message, Op
+from engine.qsa import LayerSpec
+from engine.quant import compute_dtype
+from engine.rope import rope_table
+
+log = logging.getLogger("tandem.pipeline")
+
+# An idle head sends a heartbeat every HEARTBEAT_S; a worker that hears nothing for IDLE_TIMEOUT_S
+# (or the pipeline timeout, when that is longer: a head computing a long micro-batch is silent)
+# takes the head for lost and exits. A head that dies closes its sockets, which ends the wait at once.
+HEARTBEAT_S = 1.0
+IDLE_TIMEOUT_S = 9.0
+
+
+class WorkerStage:
+    """One stage's layers and cache on its device, the layers renumbered from 0 so that the cache
+    holds theirs only."""
+
+    def __init__(self, config, tensors: dict[str, torch.Tensor], layers: range, device: str, dtype: str,
+                 engine_config):
+        """config: the model's ModelConfig; tensors: at least those of `layers`; engine_config: the
+        EngineConfig, for the cache's slots, size, types and layout (the head's own)."""
+        renamed = {}
+        for i in layers:
+            prefix = f"model.layers.{i}."
+            renamed.update({f"model.layers.{i - layers.start}.{n[len(prefix):]}": t
+                            for n, t in tensors.items() if n.startswith(prefix)})
+        specs = [LayerSpec.of(config.layer_ratios[i], config.qsa_budget) for i in layers]
+        self.stage = Stage([DecoderLayer(config, renamed, i, dtype, spec) for i, spec in enumerate(specs)], device,
+                           False, False)
+        move_to_huge_pages(self.stage)
+        c = engine_config
+        cos, sin = rope_table(config.rope, config.head_dim, max(c.ctx_per_slot, config.max_position_embeddings))
+        self.cos, self.sin = cos.to(compute_dtype(dtype)), sin.to(compute_dtype(dtype))
+        kv = tuple(KV_DTYPES[t] for t in c.kv_types)
+        shape = (len(specs), c.parallel, c.ctx_size if c.kv_unified else c.ctx_per_slot, config.num_kv_heads,
+                 config.head_dim)
+        self.cache = (PagedKVCache if c.kv_unified else KVCache)(*shape, *kv, specs=specs,
+                                                                   devices=[device] * len(specs))
+
+    def apply(self, cache_ops: list[tuple[int, int, int]]) -> None:
+        for op, slot, length in cache_ops:
+            if op == CacheOp.ENSURE:
+                self.cache.ensure(slot, length)
+            else:
+                self.cache.truncate(slot, length)
+
+    @torch.inference_mode()
+    def run(self, rows, x: torch.Tensor) -> torch.Tensor:
+        batch = ForwardBatch.build(rows)
+        return self.stage.run(x, batch, self.cos[batch.positions], self.sin[batch.positions], self.cache)
+
+
+def serve(stage: WorkerStage, link: Link, timeout: float) -> None:
+    """Until the head says stop: each message from the previous rank, handled and passed on.
+    Raises LinkError when a neighbour is lost or silent for too long."""
+    last, silence = link.next == 0, max(IDLE_TIMEOUT_S, timeout)
+    while True:
+        msg = link.recv(silence)
+        if msg.op in (Op.HEARTBEAT, Op.STOP):
+            if not last:
+                link.send(msg, timeout).wait()
+            if msg.op is Op.STOP:
+                return
+            continue
+        if msg.op is not Op.FORWARD:
+            raise LinkError(link.prev, f"a worker takes no {msg.op.name} message")
+        stage.apply(msg.cache_ops)
+        out = stage.run(msg.rows, msg.hidden)
+        reply = Message(Op.RESULT, hidden=out) if last else Message(Op.FORWARD, msg.cache_ops, msg.rows, out)
+        link.send(reply, timeout).wait()
+
+
+def worker_main(config, headers, rank) -> int:
+    """A worker process's life: load its stage, meet the other ranks, serve until the head stops
+    it or is lost. config: the EngineConfig (the head's, from the same command line); headers: its
+    checked files and placement; rank: a ranks.Rank. Returns the exit status."""
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    mc, placement = headers.model, headers.placement
+    layers, device = placement.stage_ranges()[rank.rank], placement.devices[rank.rank]
+    stage = WorkerStage(mc, headers.files.load_tensors(layers, ends=False), layers, device, config.dtype, config)
+    log.info("pipeline stage %d (rank %d of %d): layers %d..%d on %s loaded, KV cache %.0f MiB", rank.rank,
+             rank.rank, rank.world, layers.start, layers.stop - 1, device, stage.cache.nbytes / 2**20)
+    link = Link(rank.rank, rank.world, mc.hidden_size, compute_dtype(config.dtype), join(rank, placement, rank.rank))
+    try:
+        serve(stage, link, config.pipeline_timeout)
+    except LinkError as e:
+        log.error("pipeline stage %d: lost rank %d (%s); exiting", rank.rank, e.rank, e)
+        return 1
+    log.info("pipeline stage %d: stopped by the head", rank.rank)
+    return 0
