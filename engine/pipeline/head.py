@@ -130,7 +130,8 @@ def pipelined_forward(model, depth: int, batch: ForwardBatch, cache) -> torch.Te
     with torch.inference_mode():
         try:
             for group in groups:
-                sub = ForwardBatch.build([batch.rows[i] for i in group])
+                probes = None if batch.probes is None else [batch.probes[i] for i in group]
+                sub = ForwardBatch.build([batch.rows[i] for i in group], probes if probes and any(probes) else None)
                 x = model.embed_tokens(sub.token_ids)
                 cos, sin = model.cos[sub.positions], model.sin[sub.positions]
                 for stage in local:
