@@ -22,7 +22,7 @@ from engine.kv_cache import KV_DTYPES, KVCache, PagedKVCache
 from engine.model import Transformer
 from engine.options import CompressRatios
 from engine.preflight import Headers, describe_cache, read_headers
-from engine.quant import DTYPES
+from engine.quant import DTYPES, describe_formats, keeps_blocks, weight_formats
 from engine.request import Draft, Request, Status, StepOutput
 from engine.sampling import SamplingParams, choose, logprob_entry, make_generator
 from engine.scheduler import PlannedRow, Scheduler
@@ -149,7 +149,7 @@ class Engine:
         # Build (or find) the CPU kernels now, not in the first request's forward: the server
         # reports healthy only after load, and a first build takes about a minute.
         log.info("CPU kernels: %s", "ready" if kernels.available() else "unavailable, torch's ops instead")
-        tensors = files.load_tensors()
+        tensors = files.load_tensors(keeps_blocks(config.dtype))
         model = Transformer(mc, tensors, config.dtype,
                             max_positions=max(config.ctx_per_slot, mc.max_position_embeddings))
         drafter = None
@@ -158,6 +158,7 @@ class Engine:
                                    headers.draft_ratios)
         del tensors
         log.info("loaded %s (%s, %s) in %.1f s", files.path, mc.family, config.dtype, time.perf_counter() - t0)
+        log.info("weights: %s", describe_formats(weight_formats(model)))
         kv_dtypes = tuple(KV_DTYPES[t] for t in config.kv_types)
         if config.kv_unified:
             cache = PagedKVCache(mc.num_layers, config.parallel, config.ctx_size, mc.num_kv_heads, mc.head_dim,

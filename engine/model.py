@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine import kernels, qsa
+from engine import blocks, kernels, qsa
 from engine.arena import move_to_huge_pages
 from engine.batch import ForwardBatch
 from engine.config import ModelConfig
@@ -42,9 +42,9 @@ FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_at
 
 def fused_linear(t: dict, p: str, fused: str, with_bias: bool, dtype: str) -> Linear:
     parts = [p + name for name in FUSED[fused]]
-    weight = torch.cat([t[n + ".weight"] for n in parts])
+    weight = blocks.cat_rows([t[n + ".weight"] for n in parts])  # blocks run along the input: rows stack
     bias = torch.cat([t[n + ".bias"] for n in parts]) if with_bias else None
-    return Linear(weight, bias, dtype)
+    return Linear(weight, bias, dtype, parts=len(parts))
 
 
 def split_fused(tensors: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
@@ -204,7 +204,8 @@ def run_layers(layers: list[DecoderLayer], x: torch.Tensor, batch: ForwardBatch,
 
 
 class Transformer(nn.Module):
-    """Built from f32 tensors under HF names; `dtype` is the weight format (f32, bf16, int8)."""
+    """Built from tensors under HF names, f32 or (linear weights) GGUF blocks; `dtype` is the weight
+    format (engine.options.DTYPES), each linear weight's own as engine.quant.stored_format says."""
 
     def __init__(self, config: ModelConfig, tensors: dict[str, torch.Tensor], dtype: str = "f32",
                  max_positions: int | None = None):
@@ -215,7 +216,7 @@ class Transformer(nn.Module):
         self.lm_head = Linear(head, None, dtype)
         # A tied embedding is read from the lm_head's (possibly quantized) rows: one copy in memory.
         self.embed = None if config.tie_word_embeddings else \
-            tensors["model.embed_tokens.weight"].to(self.compute_dtype)
+            blocks.to_f32(tensors["model.embed_tokens.weight"]).to(self.compute_dtype)
         self.layers = nn.ModuleList(DecoderLayer(config, tensors, i, dtype, LayerSpec.of(ratio, config.qsa_budget))
                                     for i, ratio in enumerate(config.layer_ratios))
         self.norm = RMSNorm(tensors["model.norm.weight"], config.rms_norm_eps, self.compute_dtype)
