@@ -22,7 +22,7 @@ from engine.kv_cache import KV_DTYPES, KVCache, PagedKVCache
 from engine.model import Transformer
 from engine.options import CompressRatios
 from engine.preflight import Headers, describe_cache, read_headers
-from engine.quant import DTYPES, describe_formats, keeps_blocks, weight_formats
+from engine.quant import DTYPES, describe_formats, keeps_blocks
 from engine.request import Draft, Request, Status, StepOutput
 from engine.sampling import SamplingParams, choose, logprob_entry, make_generator
 from engine.scheduler import PlannedRow, Scheduler
@@ -131,6 +131,7 @@ class Engine:
     _stopping: bool = False
     drafter: Drafter | None = None  # when speculation is on
     stats: EngineStats = field(default_factory=EngineStats)
+    weight_formats: dict[str, int] = field(default_factory=dict)  # the target's tensors per format, as loaded
 
     @classmethod
     def load(cls, config: EngineConfig, headers: Headers | None = None) -> "Engine":
@@ -158,7 +159,8 @@ class Engine:
                                    headers.draft_ratios)
         del tensors
         log.info("loaded %s (%s, %s) in %.1f s", files.path, mc.family, config.dtype, time.perf_counter() - t0)
-        log.info("weights: %s", describe_formats(weight_formats(model)))
+        formats = model.weight_formats()
+        log.info("weights: %s", describe_formats(formats))
         kv_dtypes = tuple(KV_DTYPES[t] for t in config.kv_types)
         if config.kv_unified:
             cache = PagedKVCache(mc.num_layers, config.parallel, config.ctx_size, mc.num_kv_heads, mc.head_dim,
@@ -175,7 +177,8 @@ class Engine:
         margin = 1 if drafter is not None and drafter.needs_hidden else 0
         scheduler = Scheduler(config.parallel, config.ctx_per_slot, config.batch_size, config.ubatch_size, cache,
                               reuse_margin=margin, draft_max=config.spec.n_max if config.spec else 0)
-        return cls(config, files, model, tokenizer, cache, scheduler, frozenset(eos), drafter=drafter)
+        return cls(config, files, model, tokenizer, cache, scheduler, frozenset(eos), drafter=drafter,
+                   weight_formats={fmt: use.tensors for fmt, use in formats.items()})
 
     # -- any thread ---------------------------------------------------------------------------
 

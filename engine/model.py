@@ -18,7 +18,7 @@ from engine.batch import ForwardBatch
 from engine.config import ModelConfig
 from engine.kv_cache import KVCache
 from engine.qsa import LayerSpec
-from engine.quant import Linear, compute_dtype
+from engine.quant import FormatUse, Linear, compute_dtype, weight_formats
 from engine.rope import rope_table, rotate
 
 
@@ -228,6 +228,9 @@ class Transformer(nn.Module):
     @property
     def specs(self) -> list[LayerSpec]:
         return [layer.self_attn.spec for layer in self.layers]
+
+    def weight_formats(self) -> dict[str, FormatUse]:
+        return weight_formats(self, () if self.embed is None else (self.embed,))
 
     def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
         if self.embed is not None:

@@ -122,23 +122,29 @@ class FormatUse:
     nbytes: int = 0
 
 
-def weight_formats(model: nn.Module) -> dict[str, FormatUse]:
-    """Per format, the model's tensors (each linear layer counting the file tensors it holds; its
-    bias in its compute type) and norms, most bytes first."""
+def tally(entries) -> dict[str, FormatUse]:
+    """(format, tensors, bytes) entries summed per format, most bytes first."""
     use: dict[str, FormatUse] = {}
-
-    def add(fmt: str, tensors: int, nbytes: int) -> None:
+    for fmt, tensors, nbytes in entries:
         u = use.setdefault(fmt, FormatUse())
         u.tensors, u.nbytes = u.tensors + tensors, u.nbytes + nbytes
-
-    for m in model.modules():
-        if isinstance(m, Linear):
-            add(m.dtype, m.parts, m.weight.nbytes + (0 if m.scale is None else m.scale.nbytes))
-            if m.bias is not None:
-                add(FORMAT_NAMES[m.bias.dtype], m.parts, m.bias.nbytes)
-        elif m._buffers.get("weight") is not None:  # a norm
-            add(FORMAT_NAMES[m.weight.dtype], 1, m.weight.nbytes)
     return dict(sorted(use.items(), key=lambda kv: -kv[1].nbytes))
+
+
+def weight_formats(model: nn.Module, plain: tuple[torch.Tensor, ...] = ()) -> dict[str, FormatUse]:
+    """Per format, the model's tensors (each linear layer counting the file tensors it holds; its
+    bias in its compute type), norms and `plain` tensors (an untied embedding)."""
+    def entries():
+        for m in model.modules():
+            if isinstance(m, Linear):
+                yield m.dtype, m.parts, m.weight.nbytes + (0 if m.scale is None else m.scale.nbytes)
+                if m.bias is not None:
+                    yield FORMAT_NAMES[m.bias.dtype], m.parts, m.bias.nbytes
+            elif m._buffers.get("weight") is not None:  # a norm
+                yield FORMAT_NAMES[m.weight.dtype], 1, m.weight.nbytes
+        for t in plain:
+            yield FORMAT_NAMES[t.dtype], 1, t.nbytes
+    return tally(entries())
 
 
 def describe_formats(use: dict[str, FormatUse]) -> str:
