@@ -127,34 +127,49 @@ void block(const W* w, int64_t ldw, const float* x, int64_t K, const float* scal
     for (int j = 0; j < M; ++j) out[j * ldo + i] = epilogue(_mm512_reduce_add_ps(acc[i][j]), scale, bias, i);
 }
 
-// A block's 32 weights as two f32 vectors, with the operations of widen() above (no fused
-// multiply-add: d * q + m rounds twice there, and so here).
-// A 4-bit block's 16 bytes -> its low nibbles (weights 0-15) and high nibbles (16-31) as int32.
-inline void nibbles(const uint8_t* qs, __m512i& lo, __m512i& hi) {
-  const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)));
-  lo = _mm512_and_si512(bytes, _mm512_set1_epi32(0x0F));
-  hi = _mm512_srli_epi32(bytes, 4);
+// A block's 32 weights as two f32 vectors from its scale d and minimum m (q4_1), with the operations
+// of widen() above (no fused multiply-add: d * q + m rounds twice there, and so here). A 4-bit
+// block's 16 possible weights are one vector, a table that vpermps indexes by nibble (it reads an
+// index's low 4 bits, so the low nibbles need no mask): two permutes instead of widening 32 nibbles.
+inline __m512i nibble_index(const uint8_t* qs) {
+  return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)));
 }
-inline void widen(const BlockQ8_0& b, __m512& w0, __m512& w1) {
-  const __m512 d = _mm512_set1_ps(half(b.d));
+inline void widen(const BlockQ8_0& b, float d, float, __m512& w0, __m512& w1) {
+  const __m512 dv = _mm512_set1_ps(d);
   const __m128i* q = reinterpret_cast<const __m128i*>(b.qs);
-  w0 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q))));
-  w1 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q + 1))));
+  w0 = _mm512_mul_ps(dv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q))));
+  w1 = _mm512_mul_ps(dv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q + 1))));
 }
-inline void widen(const BlockQ4_0& b, __m512& w0, __m512& w1) {
-  const __m512 d = _mm512_set1_ps(half(b.d));
-  const __m512i eight = _mm512_set1_epi32(8);
-  __m512i lo, hi;
-  nibbles(b.qs, lo, hi);
-  w0 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_sub_epi32(lo, eight)));
-  w1 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_sub_epi32(hi, eight)));
+inline void widen(const BlockQ4_0& b, float d, float, __m512& w0, __m512& w1) {
+  const __m512 centred = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
+  const __m512 table = _mm512_mul_ps(_mm512_set1_ps(d), centred);
+  const __m512i index = nibble_index(b.qs);
+  w0 = _mm512_permutexvar_ps(index, table);
+  w1 = _mm512_permutexvar_ps(_mm512_srli_epi32(index, 4), table);
 }
-inline void widen(const BlockQ4_1& b, __m512& w0, __m512& w1) {
-  const __m512 d = _mm512_set1_ps(half(b.d)), m = _mm512_set1_ps(half(b.m));
-  __m512i lo, hi;
-  nibbles(b.qs, lo, hi);
-  w0 = _mm512_add_ps(_mm512_mul_ps(d, _mm512_cvtepi32_ps(lo)), m);
-  w1 = _mm512_add_ps(_mm512_mul_ps(d, _mm512_cvtepi32_ps(hi)), m);
+inline void widen(const BlockQ4_1& b, float d, float m, __m512& w0, __m512& w1) {
+  const __m512 levels = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  // Explicit rounding: the compiler would fuse a plain multiply and add into one fma (one rounding).
+  constexpr int nearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  const __m512 table =
+      _mm512_add_round_ps(_mm512_mul_round_ps(_mm512_set1_ps(d), levels, nearest), _mm512_set1_ps(m), nearest);
+  const __m512i index = nibble_index(b.qs);
+  w0 = _mm512_permutexvar_ps(index, table);
+  w1 = _mm512_permutexvar_ps(_mm512_srli_epi32(index, 4), table);
+}
+
+constexpr int SCALES = 16;  // blocks whose f16 scales convert at once
+
+// d (and m, for q4_1) of the n <= 16 blocks from w as f32: one gather of each block's first 4 bytes
+// and one conversion, where one block at a time would cost a scalar load, move and convert each.
+template <typename B>
+inline void scales(const B* w, int n, float* d, float* m) {
+  const __m512i offsets = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                             _mm512_set1_epi32(sizeof(B)));
+  const __mmask16 mask = n >= SCALES ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1);
+  const __m512i first = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), mask, offsets, w, 1);
+  _mm512_storeu_ps(d, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(first)));
+  if (std::is_same_v<B, BlockQ4_1>) _mm512_storeu_ps(m, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(first, 16))));
 }
 
 // The same product over rows of blocks: ldw blocks per weight row, K = 32 * ldw.
@@ -164,22 +179,32 @@ void block(const B* w, int64_t ldw, const float* x, int64_t K, const float* scal
   __m512 acc[R][M];
   for (int i = 0; i < R; ++i)
     for (int j = 0; j < M; ++j) acc[i][j] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < ldw; ++b) {
-    __m512 x0[M], x1[M];
-    for (int j = 0; j < M; ++j) {
-      x0[j] = _mm512_loadu_ps(x + j * K + b * QK);
-      x1[j] = _mm512_loadu_ps(x + j * K + b * QK + 16);
-    }
-    for (int i = 0; i < R; ++i) {
-      _mm_prefetch(reinterpret_cast<const char*>(w + (i + PREFETCH * R) * ldw + b), _MM_HINT_T0);
-      __m512 w0, w1;
-      widen(w[i * ldw + b], w0, w1);
-      for (int j = 0; j < M; ++j) acc[i][j] = _mm512_fmadd_ps(w1, x1[j], _mm512_fmadd_ps(w0, x0[j], acc[i][j]));
+  alignas(64) float d[R][SCALES], m[R][SCALES];
+  for (int64_t b0 = 0; b0 < ldw; b0 += SCALES) {
+    const int n = static_cast<int>(std::min<int64_t>(SCALES, ldw - b0));
+    for (int i = 0; i < R; ++i) scales(w + i * ldw + b0, n, d[i], m[i]);
+    for (int k = 0; k < n; ++k) {
+      const int64_t b = b0 + k;
+      __m512 x0[M], x1[M];
+      for (int j = 0; j < M; ++j) {
+        x0[j] = _mm512_loadu_ps(x + j * K + b * QK);
+        x1[j] = _mm512_loadu_ps(x + j * K + b * QK + 16);
+      }
+      for (int i = 0; i < R; ++i) {
+        _mm_prefetch(reinterpret_cast<const char*>(w + (i + PREFETCH * R) * ldw + b), _MM_HINT_T0);
+        __m512 w0, w1;
+        widen(w[i * ldw + b], d[i][k], m[i][k], w0, w1);
+        for (int j = 0; j < M; ++j) acc[i][j] = _mm512_fmadd_ps(w1, x1[j], _mm512_fmadd_ps(w0, x0[j], acc[i][j]));
+      }
     }
   }
   for (int i = 0; i < R; ++i)
     for (int j = 0; j < M; ++j) out[j * ldo + i] = epilogue(_mm512_reduce_add_ps(acc[i][j]), scale, bias, i);
 }
+
+inline float min_of(const BlockQ4_1& b) { return half(b.m); }
+template <typename B>
+inline float min_of(const B&) { return 0.f; }
 
 #else
 
@@ -271,7 +296,7 @@ void dequantize_rows(const B* w, int64_t N, int64_t nb, float* out) {
     for (int64_t i = begin * nb; i < end * nb; ++i) {
 #ifdef __AVX512F__
       __m512 w0, w1;
-      widen(w[i], w0, w1);
+      widen(w[i], half(w[i].d), min_of(w[i]), w0, w1);
       _mm512_storeu_ps(out + i * QK, w0);
       _mm512_storeu_ps(out + i * QK + 16, w1);
 #else
