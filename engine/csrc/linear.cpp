@@ -179,6 +179,7 @@ void block(const B* w, int64_t ldw, const float* x, int64_t K, const float* scal
   __m512 acc[R][M];
   for (int i = 0; i < R; ++i)
     for (int j = 0; j < M; ++j) acc[i][j] = _mm512_setzero_ps();
+  constexpr int LINE_BLOCKS = 64 / sizeof(B) >= 2 ? 2 : 1;  // one prefetch per cache line, about
   alignas(64) float d[R][SCALES], m[R][SCALES];
   for (int64_t b0 = 0; b0 < ldw; b0 += SCALES) {
     const int n = static_cast<int>(std::min<int64_t>(SCALES, ldw - b0));
@@ -191,7 +192,8 @@ void block(const B* w, int64_t ldw, const float* x, int64_t K, const float* scal
         x1[j] = _mm512_loadu_ps(x + j * K + b * QK + 16);
       }
       for (int i = 0; i < R; ++i) {
-        _mm_prefetch(reinterpret_cast<const char*>(w + (i + PREFETCH * R) * ldw + b), _MM_HINT_T0);
+        if (k % LINE_BLOCKS == 0)
+          _mm_prefetch(reinterpret_cast<const char*>(w + (i + PREFETCH * R) * ldw + b), _MM_HINT_T0);
         __m512 w0, w1;
         widen(w[i * ldw + b], d[i][k], m[i][k], w0, w1);
         for (int j = 0; j < M; ++j) acc[i][j] = _mm512_fmadd_ps(w1, x1[j], _mm512_fmadd_ps(w0, x0[j], acc[i][j]));
