@@ -1,7 +1,7 @@
 """`python -m bench.formats`: prompt processing (PP) and token generation (TG) speed of the engine at
 each weight format against transformers' generate() in fp32, on the same model, in one run.
 
-    python -m bench.formats [--dtypes f32 bf16 int8] [--runs 5] [--pp 512] [--tg 128] [--threads N]
+    python -m bench.formats [--dtypes f32 bf16 int8 auto] [--runs 5] [--pp 512] [--tg 128] [--threads N]
     python -m bench.formats --dtypes f32 int8 --spec-type draft-mtp -md configs/drafts/smollm2-135m-mtp.safetensors \
         --heldout 5 --no-transformers
 
@@ -234,7 +234,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.formats", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_workload_flags(p)
-    p.add_argument("--dtypes", nargs="+", choices=DTYPES, default=list(DTYPES))
+    p.add_argument("--dtypes", nargs="+", choices=DTYPES, default=["f32", "bf16", "int8", "auto"],
+                   help="weight formats (auto: a GGUF file's own q4_0 / q4_1 / q8_0 blocks)")
     p.add_argument("--no-transformers", action="store_true", help="skip the reference")
     p.add_argument("--spec-type", choices=SPEC_TYPES, help="also run each dtype with this drafter")
     p.add_argument("-md", "--spec-draft-model", help="the draft's file (draft-mtp, draft-simple)")

@@ -18,6 +18,7 @@ import torch
 
 from engine import mtp
 from engine.batch import ForwardBatch, Row
+from engine.blocks import FORMATS
 from engine.config import ModelConfig
 from engine.errors import ConfigError, check_rules
 from engine.kv_cache import KVCache
@@ -26,7 +27,7 @@ from engine.ngram import ngram_draft
 from engine.placement import Placement
 from engine.qsa import LayerSpec
 from engine.options import SPEC_TYPES
-from engine.quant import compute_dtype
+from engine.quant import compute_dtype, keeps_blocks
 from engine.request import Draft, Request
 from engine.sampling import distribution
 from engine.weights import open_model
@@ -249,8 +250,9 @@ def load_drafter(spec: SpecConfig, target_model, target_tensors: dict, dtype: st
         mtp.check_compatible(header, spec.draft_model, config, fingerprint)
         # The draft only proposes (the target decides every token), and its weights are read once
         # per drafted token: in f32 they cost a quarter of what int8 does, for the same proposals
-        # nearly always. So a target computing in f32 (f32, int8) gets an int8 draft.
-        draft_dtype = "int8" if compute_dtype(dtype) == torch.float32 else dtype
+        # nearly always. So a target computing in f32 (f32, int8, auto) gets an int8 draft, and
+        # one in a block format a draft in that format (quantized on load: the file is f32).
+        draft_dtype = dtype if dtype in FORMATS else "int8" if compute_dtype(dtype) == torch.float32 else dtype
         specs = [LayerSpec.of(r, config.qsa_budget) for r in draft_ratios or header.compress_ratios]
         # It embeds with the target's table where that sits on its device, else with a copy of its own.
         embed = None if target_model.stages[0].device == torch.device(device) else \
@@ -262,7 +264,8 @@ def load_drafter(spec: SpecConfig, target_model, target_tensors: dict, dtype: st
         return MTPDrafter(spec, draft, target_model, cache, config.vocab_size)
     files = open_model(spec.draft_model)
     c = files.config
-    model = Transformer(c, files.load_tensors(), dtype, max_positions=max(ctx_per_slot, c.max_position_embeddings),
+    model = Transformer(c, files.load_tensors(keep_blocks=keeps_blocks(dtype)), dtype,
+                        max_positions=max(ctx_per_slot, c.max_position_embeddings),
                         placement=Placement.single(c.num_layers, device))
     cache = KVCache(c.num_layers, slots, ctx_per_slot, c.num_kv_heads, c.head_dim, compute_dtype(dtype),
                     specs=model.specs, devices=[device] * c.num_layers)

@@ -28,7 +28,7 @@ from engine.pipeline.transport import Link
 from engine.placement import Placement, is_device_name
 from engine.preflight import Headers, describe_cache, read_headers
 from engine.probe import ProbeCapture, ProbeSpec
-from engine.quant import DTYPES
+from engine.quant import DTYPES, describe_formats, keeps_blocks
 from engine.request import Draft, Request, Status, StepOutput
 from engine.sampling import SamplingParams, choose, logprob_entry, make_generator
 from engine.scheduler import PlannedRow, Scheduler
@@ -166,6 +166,7 @@ class Engine:
     def failure(self) -> str | None:
         """Why the engine can serve nothing more (a pipeline stage was lost), else None."""
         return self.remote.failure if self.remote is not None else None
+    weight_formats: dict[str, int] = field(default_factory=dict)  # the target's tensors per format, as loaded
 
     @classmethod
     def load(cls, config: EngineConfig, headers: Headers | None = None, rank: Rank | None = None,
@@ -190,7 +191,7 @@ class Engine:
         stages = headers.placement.stage_ranges()
         # A pipeline head builds stage 0 and reads only its tensors; RemoteStages stands for the rest.
         placement = headers.placement if rank is None else headers.placement.first_stage()
-        tensors = files.load_tensors(stages[0] if rank is not None else None)
+        tensors = files.load_tensors(stages[0] if rank is not None else None, keep_blocks=keeps_blocks(config.dtype))
         model = Transformer(mc, tensors, config.dtype,
                             max_positions=max(config.ctx_per_slot, mc.max_position_embeddings), placement=placement)
         drafter = None
@@ -199,6 +200,8 @@ class Engine:
                                    headers.draft_ratios, placement.draft_device)
         del tensors
         log.info("loaded %s (%s, %s) in %.1f s", files.path, mc.family, config.dtype, time.perf_counter() - t0)
+        formats = model.weight_formats()
+        log.info("weights: %s", describe_formats(formats))
         kv_dtypes = tuple(KV_DTYPES[t] for t in config.kv_types)
         if config.kv_unified:
             cache = PagedKVCache(placement.num_layers, config.parallel, config.ctx_size, mc.num_kv_heads, mc.head_dim,
@@ -233,7 +236,8 @@ class Engine:
                               MirroredCache(cache, remote.queued) if remote is not None else cache,
                               reuse_margin=margin, draft_max=config.spec.n_max if config.spec else 0)
         return cls(config, files, model, tokenizer, cache, scheduler, frozenset(eos), drafter=drafter, devices=devices,
-                   remote=remote, placement=headers.placement)
+                   remote=remote, placement=headers.placement,
+                   weight_formats={fmt: use.tensors for fmt, use in formats.items()})
 
     # -- any thread ---------------------------------------------------------------------------
 

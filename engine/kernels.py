@@ -78,8 +78,19 @@ def _ops():
 
 def linear_rows(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None,
                 bias: torch.Tensor | None) -> torch.Tensor:
-    """x [M, K] @ weight [N, K]^T * scale [N] + bias [N] -> [M, N] in x's dtype, for small M."""
+    """x [M, K] @ weight [N, K]^T * scale [N] + bias [N] -> [M, N] in x's dtype, for small M.
+
+    weight is f32, bf16 or int8 [N, K], or uint8 [N, K / 32 * B]: each row K / 32 GGUF blocks of
+    B bytes, B naming the format (18 q4_0, 20 q4_1, 34 q8_0; engine/blocks.py has the layouts), so
+    a block weight travels through the whole-layer kernel in the same slot as any other, scale None.
+    """
     return _ops().linear_rows(x, weight, scale, bias)
+
+
+def dequantize_blocks(weight: torch.Tensor, cols: int) -> torch.Tensor:
+    """uint8 GGUF blocks [N, cols / 32 * B] (as linear_rows reads them) -> f32 [N, cols], the same
+    numbers as engine.blocks.dequantize."""
+    return _ops().dequantize_blocks(weight, cols)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

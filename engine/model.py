@@ -14,14 +14,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine import kernels, qsa
+from engine import blocks, kernels, qsa
 from engine.arena import move_to_huge_pages
 from engine.batch import ForwardBatch
 from engine.config import ModelConfig
 from engine.kv_cache import KVCache
 from engine.placement import Placement
 from engine.qsa import LayerSpec
-from engine.quant import Linear, compute_dtype
+from engine.quant import FormatUse, Linear, compute_dtype, weight_formats
 from engine.rope import rope_table, rotate
 
 
@@ -45,9 +45,9 @@ FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_at
 
 def fused_linear(t: dict, p: str, fused: str, with_bias: bool, dtype: str) -> Linear:
     parts = [p + name for name in FUSED[fused]]
-    weight = torch.cat([t[n + ".weight"] for n in parts])
+    weight = blocks.cat_rows([t[n + ".weight"] for n in parts])  # blocks run along the input: rows stack
     bias = torch.cat([t[n + ".bias"] for n in parts]) if with_bias else None
-    return Linear(weight, bias, dtype)
+    return Linear(weight, bias, dtype, parts=len(parts))
 
 
 def split_fused(tensors: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
@@ -261,7 +261,8 @@ class Stage(nn.Module):
 
 
 class Transformer(nn.Module):
-    """Built from f32 tensors under HF names; `dtype` is the weight format (f32, bf16, int8);
+    """Built from tensors under HF names, f32 or (linear weights) GGUF blocks; `dtype` is the weight
+    format (engine.options.DTYPES), each linear weight's own as engine.quant.stored_format says;
     `placement` puts the layers in stages (default: one stage on the CPU)."""
 
     def __init__(self, config: ModelConfig, tensors: dict[str, torch.Tensor], dtype: str = "f32",
@@ -298,6 +299,9 @@ class Transformer(nn.Module):
     @property
     def specs(self) -> list[LayerSpec]:
         return [layer.self_attn.spec for layer in self.layers]
+
+    def weight_formats(self) -> dict[str, FormatUse]:
+        return weight_formats(self)  # an embedding copy is a Linear of its own: counted with the rest
 
     def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
         """[N] token ids -> [N, hidden] in the compute dtype, on the first stage's device."""

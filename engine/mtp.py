@@ -25,6 +25,7 @@ from torch import nn
 
 from engine.arena import move_to_huge_pages
 from engine.batch import ForwardBatch
+from engine.blocks import BlockTensor
 from engine.config import ModelConfig
 from engine.errors import ConfigError
 from engine.model import DecoderLayer, RMSNorm, embed_rows, run_on
@@ -35,14 +36,15 @@ from engine.rope import rope_table
 FORMAT = "tandem-mtp/1"
 
 
-def target_fingerprint(config: ModelConfig, embedding: torch.Tensor) -> str:
+def target_fingerprint(config: ModelConfig, embedding: torch.Tensor | BlockTensor) -> str:
     """Identifies a target by its geometry and the first rows of its f32 embedding (as loaded,
     before any weight-format conversion)."""
     h = hashlib.sha256()
     geometry = [config.family, config.hidden_size, config.num_layers, config.num_heads, config.num_kv_heads,
                 config.head_dim, config.vocab_size]
     h.update(json.dumps(geometry).encode())
-    h.update(embedding[:64].float().contiguous().numpy().tobytes())
+    first = embedding.rows(slice(0, 64)).dequantize() if isinstance(embedding, BlockTensor) else embedding[:64]
+    h.update(first.float().contiguous().numpy().tobytes())
     return h.hexdigest()[:32]
 
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-DTYPES = ("f32", "bf16", "int8")  # weight formats
+# Weight formats; "auto": each tensor as the file stores it (GGUF's q4_0, q4_1, q8_0 blocks), else f32.
+DTYPES = ("f32", "bf16", "int8", "q4_0", "q4_1", "q8_0", "auto")
 KV_CACHE_TYPES = ("f32", "f16", "bf16", "q8_0")
 # Drafter names as llama-server spells them, and short aliases, each to its canonical name.
 SPEC_TYPES = {"draft-mtp": "draft-mtp", "mtp": "draft-mtp", "ngram-simple": "ngram-simple",

@@ -1,26 +1,38 @@
-"""Weight formats for linear layers: f32, bf16, and weight-only int8.
+"""Weight formats for linear layers: f32, bf16, weight-only int8, and GGUF's blocks (q4_0, q4_1,
+q8_0, engine/blocks.py).
 
 int8 stores one scale per output channel and keeps activations in floating point: quantizing
-activations too loses far too much on small models (docs/architecture.md, "Weight formats").
+activations too loses far too much on small models (docs/architecture.md, "Weight formats"). The
+block formats keep activations in f32 as well: a block weight widens to the very number the f32
+path reads, so the product is the f32 path's up to summation order.
 
 A step of a few rows (decode slots, verify tokens) is a matrix-vector product whose speed is how
 fast the weights stream from memory; tandem's own kernel (engine/csrc/linear.cpp) widens each
 format to f32 as it reads. Beyond KERNEL_MAX_ROWS rows (prefill) the work is compute-bound and
-torch's matmul takes over (int8 through a dequantized copy of the weight).
+torch's matmul takes over (int8 and blocks through a dequantized copy of the weight, per call).
 """
 from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine import kernels
+from engine import blocks, kernels
+from engine.blocks import BlockTensor
 from engine.options import DTYPES
 
-TORCH_DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "int8": torch.float32}
-BYTES_PER_WEIGHT = {"f32": 4, "bf16": 2, "int8": 1}
+log = logging.getLogger("tandem.quant")
+
+TORCH_DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "int8": torch.float32, "q4_0": torch.float32,
+                "q4_1": torch.float32, "q8_0": torch.float32, "auto": torch.float32}
+# Bytes per weight of each format a tensor can be stored in ("auto" is a choice among them).
+BYTES_PER_WEIGHT = {"f32": 4, "bf16": 2, "int8": 1, **{f: b / blocks.BLOCK for f, b in blocks.BLOCK_BYTES.items()}}
 # Up to this many rows tandem's kernel beats torch's matmul (measured on the default model's layers).
-KERNEL_MAX_ROWS = {"f32": 32, "bf16": 8, "int8": 64}
+KERNEL_MAX_ROWS = {"f32": 32, "bf16": 8, "int8": 64, "q4_0": 32, "q4_1": 32, "q8_0": 32}
+FORMAT_NAMES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
 
 def compute_dtype(weight_dtype: str) -> torch.dtype:
@@ -35,24 +47,57 @@ def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.contiguous(), scale
 
 
-class Linear(nn.Module):
-    """y = x W^T (+ b), with W in the chosen weight format."""
+def stored_format(weight: torch.Tensor | BlockTensor, dtype: str) -> str:
+    """The format a linear weight is kept in under `dtype`. "auto" keeps a block weight's format and
+    f32 otherwise; a block format applies to a weight whose rows are whole blocks, and f32 holds
+    the others (in-features not a multiple of 32)."""
+    if dtype == "auto":
+        return weight.format if isinstance(weight, BlockTensor) else "f32"
+    if dtype in blocks.FORMATS and not blocks.fits(tuple(weight.shape)):
+        return "f32"
+    return dtype
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: str):
+
+def keeps_blocks(dtype: str) -> bool:
+    """Whether a model loads its GGUF blocks as they are under `dtype` (the formats that serve them)."""
+    return dtype == "auto" or dtype in blocks.FORMATS
+
+
+class Linear(nn.Module):
+    """y = x W^T (+ b), with W in the format `dtype` gives it (stored_format). weight: f32, or a
+    block weight as the file holds it (kept as it is when the format is its own). parts: how many of
+    the file's tensors the layer holds (a fused projection holds several)."""
+
+    def __init__(self, weight: torch.Tensor | BlockTensor, bias: torch.Tensor | None, dtype: str, parts: int = 1):
         super().__init__()
-        self.dtype = dtype
-        self.max_kernel_rows = KERNEL_MAX_ROWS[dtype]
-        if dtype == "int8":
-            q, scale = quantize_int8(weight)
+        fmt = stored_format(weight, dtype)
+        if fmt != dtype and dtype != "auto":
+            log.info("weight %s: in-features not a multiple of %d, kept f32 instead of %s",
+                     list(weight.shape), blocks.BLOCK, dtype)
+        self.dtype, self.parts, self.cols = fmt, parts, weight.shape[1]
+        self.max_kernel_rows = KERNEL_MAX_ROWS[fmt]
+        self.register_buffer("scale", None)
+        if fmt in blocks.FORMATS:
+            own = isinstance(weight, BlockTensor) and weight.format == fmt
+            self.register_buffer("weight", (weight.data if own else blocks.quantize(blocks.to_f32(weight), fmt))
+                                 .contiguous())
+        elif fmt == "int8":
+            q, scale = quantize_int8(blocks.to_f32(weight))
             self.register_buffer("weight", q)
             self.register_buffer("scale", scale)
         else:
-            self.register_buffer("weight", weight.to(TORCH_DTYPES[dtype]).contiguous())
-            self.scale = None
-        self.register_buffer("bias", None if bias is None else bias.to(TORCH_DTYPES[dtype]))
+            self.register_buffer("weight", blocks.to_f32(weight).to(TORCH_DTYPES[fmt]).contiguous())
+        self.register_buffer("bias", None if bias is None else bias.to(TORCH_DTYPES[fmt]))
+
+    @property
+    def is_blocks(self) -> bool:
+        return self.dtype in blocks.FORMATS
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows of W (an embedding lookup when the lm_head is tied to the embedding)."""
+        if self.is_blocks:
+            return blocks.dequantize(self.weight[ids].reshape(-1, self.weight.shape[1]), self.dtype,
+                                     self.cols).view(*ids.shape, self.cols)
         if self.scale is None:
             return self.weight[ids]
         return self.weight[ids].float() * self.scale[ids, None]
@@ -60,7 +105,47 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2 and x.shape[0] <= self.max_kernel_rows and kernels.usable(x):
             return kernels.linear_rows(x, self.weight, self.scale, self.bias)
+        if self.is_blocks:
+            w = kernels.dequantize_blocks(self.weight, self.cols) if kernels.usable() else \
+                blocks.dequantize(self.weight, self.dtype, self.cols)
+            return F.linear(x, w, self.bias)
         if self.scale is None:
             return F.linear(x, self.weight, self.bias)
         y = F.linear(x, self.weight.to(x.dtype)) * self.scale
         return y if self.bias is None else y + self.bias
+
+
+@dataclass
+class FormatUse:
+    """How many of a model's tensors one format holds, and their bytes."""
+    tensors: int = 0
+    nbytes: int = 0
+
+
+def tally(entries) -> dict[str, FormatUse]:
+    """(format, tensors, bytes) entries summed per format, most bytes first."""
+    use: dict[str, FormatUse] = {}
+    for fmt, tensors, nbytes in entries:
+        u = use.setdefault(fmt, FormatUse())
+        u.tensors, u.nbytes = u.tensors + tensors, u.nbytes + nbytes
+    return dict(sorted(use.items(), key=lambda kv: -kv[1].nbytes))
+
+
+def weight_formats(model: nn.Module, plain: tuple[torch.Tensor, ...] = ()) -> dict[str, FormatUse]:
+    """Per format, the model's tensors (each linear layer counting the file tensors it holds; its
+    bias in its compute type), norms and `plain` tensors (an untied embedding)."""
+    def entries():
+        for m in model.modules():
+            if isinstance(m, Linear):
+                yield m.dtype, m.parts, m.weight.nbytes + (0 if m.scale is None else m.scale.nbytes)
+                if m.bias is not None:
+                    yield FORMAT_NAMES[m.bias.dtype], m.parts, m.bias.nbytes
+            elif m._buffers.get("weight") is not None:  # a norm
+                yield FORMAT_NAMES[m.weight.dtype], 1, m.weight.nbytes
+        for t in plain:
+            yield FORMAT_NAMES[t.dtype], 1, t.nbytes
+    return tally(entries())
+
+
+def describe_formats(use: dict[str, FormatUse]) -> str:
+    return ", ".join(f"{fmt} {u.nbytes / 2**20:.1f} MiB ({u.tensors} tensors)" for fmt, u in use.items())

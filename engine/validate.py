@@ -4,14 +4,16 @@ context size it adds the KV cache's and the pooled keys' bytes per layer kind.""
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 
 from engine.config import cache_bytes_per_position, describe_rope, with_compression
 from engine.errors import TandemError
 from engine.kv_cache import KV_BYTES_PER_VALUE, KV_DTYPES
 from engine.options import CompressRatios
-from engine.quant import BYTES_PER_WEIGHT
-from engine.weights import open_model
+from engine.blocks import GGUF_TYPES
+from engine.quant import BYTES_PER_WEIGHT, FormatUse, describe_formats, tally
+from engine.weights import ModelFiles, open_model
 
 
 def _size(n: float) -> str:
@@ -20,6 +22,19 @@ def _size(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return ""
+
+
+def stored_formats(files: ModelFiles) -> dict[str, FormatUse]:
+    """The model's tensors per format under --dtype auto, from the headers: a GGUF file's Q4_0, Q4_1
+    and Q8_0 matrices as stored (an untied embedding aside: it is read in f32), the rest f32."""
+    untied_embedding = None if files.config.tie_word_embeddings else "model.embed_tokens.weight"
+
+    def entries():
+        for name, shape in files.expected_shapes().items():
+            kind, nbytes = files.stored.get(name, (None, 0))
+            fmt = GGUF_TYPES.get(kind) if len(shape) == 2 and name != untied_embedding else None
+            yield (fmt, 1, nbytes) if fmt else ("f32", 1, 4 * math.prod(shape))
+    return tally(entries())
 
 
 def summary(path: str, ratios: CompressRatios | None = None, budget: int | None = None,
@@ -38,6 +53,7 @@ def summary(path: str, ratios: CompressRatios | None = None, budget: int | None 
         f"context:      {c.max_position_embeddings}",
         f"parameters:   {params / 1e6:.1f} M",
         "weights:      " + ", ".join(f"{d} {_size(params * b)}" for d, b in BYTES_PER_WEIGHT.items()),
+        "weights as stored (--dtype auto): " + describe_formats(stored_formats(files)),
     ]
     if any(c.layer_ratios):
         lines.append(f"compression:  ratios {','.join(map(str, c.layer_ratios))}, qsa_budget {c.qsa_budget}")

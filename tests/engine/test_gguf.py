@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from engine.model import Transformer
 from engine.tiny import BOS_ID, EOS_ID, hf_config, random_tensors, tensor_shapes
 from engine.weights import _GGUF_GLOBAL_NAMES, _GGUF_LAYER_NAMES, hf_name_of_gguf, open_model
 from tests.engine.test_parity import (MAX_POSITIONS, PROMPT_LEN, TOLERANCE, assert_matches, engine_logits,
@@ -93,6 +94,18 @@ def test_each_weight_type_matches_transformers(reference, type_name):
     files = open_model(path)
     assert files.format == "gguf" and files.config.num_layers == CONFIG["num_hidden_layers"]
     assert_matches(engine_logits(load_engine_model(path), tokens), logits)
+
+
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0"])
+def test_each_block_type_served_as_stored_matches_transformers(reference, type_name):
+    # --dtype auto: the matrices stay the file's blocks, and the kernels widen them to the numbers
+    # transformers reads, so the logits match as the f32 path's do.
+    path, tokens, logits = reference(type_name)
+    files = open_model(path)
+    model = Transformer(files.config, files.load_tensors(keep_blocks=True), dtype="auto", max_positions=MAX_POSITIONS)
+    assert {layer.self_attn.qkv_proj.dtype for layer in model.layers} == {type_name.lower()}
+    assert model.lm_head.weight.dtype == torch.uint8
+    assert_matches(engine_logits(model, tokens), logits)
 
 
 def test_the_types_really_differ(reference):

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine import kernels, quant, rope
+from engine import blocks, kernels, quant, rope
 from engine import model as model_module
 from engine.arena import move_to_huge_pages
 from engine.batch import ForwardBatch, Row
@@ -39,6 +39,33 @@ def test_linear_rows_matches_matmul(dtype, rows, k):
         assert ((y.float() - (ref * scale + bias)).abs().max() / ref.abs().max()) < tol
         plain = kernels.linear_rows(x, w, None, None)
         assert ((plain.float() - ref).abs().max() / ref.abs().max()) < tol
+
+
+@pytest.mark.parametrize("fmt", blocks.FORMATS)
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 13, 16])
+@pytest.mark.parametrize("k", [32, 96, 160, 576])
+def test_block_linear_rows_matches_dequantize_then_matmul(fmt, rows, k):
+    # A block weight widens in registers to the f32 numbers engine.blocks.dequantize gives: the
+    # product is torch's f32 one on the dequantized matrix, up to summation order.
+    torch.manual_seed(rows * 1000 + k)
+    n = 37  # not a multiple of the kernel's 4-channel blocks
+    data = blocks.quantize(torch.randn(n, k), fmt)
+    w, bias, x = blocks.dequantize(data, fmt, k), torch.randn(n), torch.randn(rows, k)
+    ref = x @ w.T + bias
+    y = kernels.linear_rows(x, data, None, bias)
+    assert y.shape == (rows, n)
+    assert ((y - ref).abs().max() / ref.abs().max()) < 1e-5
+
+
+@pytest.mark.parametrize("fmt", blocks.FORMATS)
+def test_dequantize_blocks_gives_the_numbers_the_f32_path_reads(fmt):
+    data = blocks.quantize(torch.randn(45, 320), fmt)
+    assert torch.equal(kernels.dequantize_blocks(data, 320), blocks.dequantize(data, fmt, 320))
+
+
+def test_block_linear_rows_names_rows_that_are_not_whole_blocks():
+    with pytest.raises(RuntimeError, match="got rows of 20 bytes for K = 48"):
+        kernels.linear_rows(torch.randn(1, 48), torch.zeros(4, 20, dtype=torch.uint8), None, None)
 
 
 def test_linear_rows_names_bad_shapes():
@@ -97,7 +124,7 @@ def test_huge_page_block_keeps_every_weight():
         assert torch.equal(layers[0](x), kernels.linear_rows(x, before[0], layers[0].scale, None))
 
 
-@pytest.mark.parametrize("dtype", ["f32", "int8"])
+@pytest.mark.parametrize("dtype", ["f32", "int8", "q4_1"])
 def test_model_gives_the_same_logits_without_the_kernels(tmp_path, monkeypatch, dtype):
     path = write_tiny_model(tiny_config("qwen3"), tmp_path / "m", seed=3)
     files = open_model(str(path))
@@ -119,7 +146,7 @@ def test_model_gives_the_same_logits_without_the_kernels(tmp_path, monkeypatch, 
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "hd160"])
-@pytest.mark.parametrize("dtype", ["f32", "bf16", "int8"])
+@pytest.mark.parametrize("dtype", ["f32", "bf16", "int8", "q4_0", "q4_1", "q8_0"])
 def test_whole_layer_kernel_equals_the_layer_by_layer_path(tmp_path, monkeypatch, family, dtype):
     # A step of three slots: a 3-token verify block, a plain decode token, a 2-token prompt chunk,
     # after prompts of different lengths. Each of its tokens attends causally within its own slot.

@@ -90,10 +90,12 @@ def test_a_file_that_is_not_a_draft_is_refused(tmp_path):
         mtp.read_header(tmp_path / "missing.safetensors")
 
 
-@pytest.mark.parametrize("dtype, draft_weights", [("f32", torch.int8), ("int8", torch.int8), ("bf16", torch.bfloat16)])
+@pytest.mark.parametrize("dtype, draft_weights", [("f32", torch.int8), ("int8", torch.int8), ("auto", torch.int8),
+                                                  ("bf16", torch.bfloat16), ("q4_1", torch.uint8)])
 def test_the_draft_streams_int8_weights_beside_a_target_computing_in_f32(target, tmp_path, dtype, draft_weights):
     # It only proposes, so its precision cannot change the output; its weights are read once per
     # drafted token, and int8 reads a quarter of f32's bytes. Its activations stay in the target's dtype.
+    # A target in a block format (q4_1 here) gets its draft in that format, quantized on load.
     from engine.drafter import SpecConfig, load_drafter
     from engine.model import Transformer
     config, tensors, fingerprint = target

@@ -1,6 +1,9 @@
-"""What bf16 and int8 weights cost in quality, measured and bounded: the default model reads the first
-2,000 tokens of GPL-3 teacher-forced in each format, against the f32 model on the same tokens.
-bf16 keeps top-1 agreement >= 96% and perplexity within 1%; int8 >= 95% and within 2%."""
+"""What bf16, int8 and blocks quantized on load cost in quality, measured and bounded: the default
+model reads the first 2,000 tokens of GPL-3 teacher-forced in each format, against the f32 model on
+the same tokens. bf16 keeps top-1 agreement >= 96% and perplexity within 1%; int8 >= 95% and within
+2%; q8_0 >= 96% and within 1%. q4_0 (llama.cpp's rule on the f32 weights, which are the file's Q4_1
+blocks dequantized: a second 4-bit rounding) measured 0.64 and +28% on this 135M model: its bound
+records that, it does not make it good."""
 from __future__ import annotations
 
 import math
@@ -51,7 +54,8 @@ def f32_reading(reading):
     return teacher_forced(Transformer(config, tensors, "f32", max_positions=len(ids)), ids)
 
 
-@pytest.mark.parametrize("dtype, min_agreement, max_ppl_change", [("bf16", 0.96, 0.01), ("int8", 0.95, 0.02)])
+@pytest.mark.parametrize("dtype, min_agreement, max_ppl_change", [("bf16", 0.96, 0.01), ("int8", 0.95, 0.02),
+                                                                  ("q8_0", 0.96, 0.01), ("q4_0", 0.60, 0.32)])
 def test_weight_format_keeps_quality(reading, f32_reading, dtype, min_agreement, max_ppl_change):
     ids, config, tensors = reading
     ref_argmax, ref_nll = f32_reading

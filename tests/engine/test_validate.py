@@ -21,3 +21,11 @@ def test_validate_reports_kv_and_pooled_key_bytes_per_layer_kind(tmp_path, capsy
     assert "KV cache at 1024 positions, f32, qsa r=4 (2 layers): 512.0 KiB, kpool 64.0 KiB" in out
     assert main([str(path), "--compress-ratios", "every4:4"]) == 2
     assert "qsa_budget=0: must be a positive multiple of the compress ratio 4" in capsys.readouterr().err
+
+
+def test_validate_reports_the_weights_as_the_file_stores_them(capsys):
+    assert main(["default"]) == 0
+    out = capsys.readouterr().out
+    assert "weights as stored (--dtype auto): q4_1 63.3 MiB (210 tensors), q8_0 28.7 MiB (1 tensors), " \
+           "f32 0.1 MiB (61 tensors)" in out
+    assert "q4_0 72.2 MiB, q4_1 80.2 MiB, q8_0 136.3 MiB" in out  # each format, quantized on load
