@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from engine.blocks import GGUF_TYPES
 from engine.config import ModelConfig
 from engine.errors import ConfigError
 from engine.kv_cache import KV_BYTES_PER_VALUE
@@ -62,24 +63,37 @@ def layer_kv_bytes(c: ModelConfig, ratio: int, positions: int, kv_types: tuple[s
     return int(kv + (positions // ratio * c.kv_size * 4 if ratio else 0))
 
 
+def estimated_format(dtype: str, stored: dict[str, tuple[int, int]]) -> str:
+    """The format the estimate counts every matrix in: the one asked for, or under auto the widest
+    the file keeps (its Q4_0 / Q4_1 / Q8_0 matrices stay so; any other, and an HF model's, load f32).
+    stored: a GGUF file's tensors as ModelFiles.stored gives them."""
+    if dtype != "auto":
+        return dtype
+    kept = {GGUF_TYPES.get(kind, "f32") for name, (kind, _) in stored.items()
+            if name.endswith(".weight") and "norm" not in name}
+    return max(kept or {"f32"}, key=BYTES_PER_WEIGHT.get)
+
+
 def device_needs(config: "EngineConfig", model: ModelConfig, placement: Placement,
-                 draft_layers: int) -> dict[str, DeviceNeed]:
-    """Estimated bytes per device, the draft's included (draft_layers: a detached MTP draft's)."""
+                 draft_layers: int, stored: dict[str, tuple[int, int]] | None = None) -> dict[str, DeviceNeed]:
+    """Estimated bytes per device, the draft's included (draft_layers: a detached MTP draft's;
+    stored: the file's tensors as stored, which --dtype auto keeps)."""
+    dtype = estimated_format(config.dtype, stored or {})
     needs = {device: DeviceNeed() for device in (*placement.devices, placement.draft_device)}
     positions = config.ctx_per_slot * (1 if config.kv_unified else config.parallel)
     for device, ratio in zip(placement.layer_devices(), model.layer_ratios):
-        needs[device].weights += layer_weight_bytes(model, config.dtype)
+        needs[device].weights += layer_weight_bytes(model, dtype)
         needs[device].kv += layer_kv_bytes(model, ratio, positions, config.kv_types)
     first, last = placement.devices[0], placement.devices[-1]
-    needs[last].weights += table_bytes(model, config.dtype)  # the lm_head
-    embed_bytes = table_bytes(model, config.dtype) if model.tie_word_embeddings else \
-        model.vocab_size * model.hidden_size * compute_dtype(config.dtype).itemsize
+    needs[last].weights += table_bytes(model, dtype)  # the lm_head
+    embed_bytes = table_bytes(model, dtype) if model.tie_word_embeddings else \
+        model.vocab_size * model.hidden_size * compute_dtype(dtype).itemsize
     if not model.tie_word_embeddings or first != last:
         needs[first].weights += embed_bytes
     spec, draft = config.spec, needs[placement.draft_device]
     # A draft's cache is per slot, in the compute dtype.
     draft_positions = config.ctx_per_slot * config.parallel
-    draft_kv = ("bf16", "bf16") if compute_dtype(config.dtype) == torch.bfloat16 else ("f32", "f32")
+    draft_kv = ("bf16", "bf16") if compute_dtype(dtype) == torch.bfloat16 else ("f32", "f32")
     if spec is not None and spec.type == "draft-mtp":
         draft.weights += os.path.getsize(spec.draft_model)
         draft.kv += draft_layers * layer_kv_bytes(model, 0, draft_positions, draft_kv)
@@ -87,8 +101,8 @@ def device_needs(config: "EngineConfig", model: ModelConfig, placement: Placemen
             draft.weights += embed_bytes
     elif spec is not None and spec.type == "draft-simple":
         small = open_model(spec.draft_model).config
-        draft.weights += small.num_layers * layer_weight_bytes(small, config.dtype) \
-            + table_bytes(small, config.dtype) * (1 if small.tie_word_embeddings else 2)
+        draft.weights += small.num_layers * layer_weight_bytes(small, dtype) \
+            + table_bytes(small, dtype) * (1 if small.tie_word_embeddings else 2)
         draft.kv += small.num_layers * layer_kv_bytes(small, 0, draft_positions, draft_kv)
     return {d: n for d, n in needs.items() if n.total}
 
@@ -116,9 +130,10 @@ def check_devices(placement: Placement) -> None:
                               f"cuda:0 .. cuda:{count - 1}")
 
 
-def check_fit(config: "EngineConfig", model: ModelConfig, placement: Placement, draft_layers: int) -> None:
+def check_fit(config: "EngineConfig", model: ModelConfig, placement: Placement, draft_layers: int,
+              stored: dict[str, tuple[int, int]]) -> None:
     """Raises ConfigError when a device's estimated weights and KV cache exceed its memory."""
-    for device, need in device_needs(config, model, placement, draft_layers).items():
+    for device, need in device_needs(config, model, placement, draft_layers, stored).items():
         have = device_memory(device)
         if need.total > have:
             raise ConfigError(

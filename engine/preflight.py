@@ -54,7 +54,7 @@ def read_headers(config: "EngineConfig") -> Headers:
     except ValueError as e:
         raise ConfigError(str(e)) from None
     check_devices(placement)
-    check_fit(config, model, placement, len(draft_ratios))
+    check_fit(config, model, placement, len(draft_ratios), files.stored)
     return Headers(files, model, draft_ratios, placement)
 
 

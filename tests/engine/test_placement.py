@@ -16,7 +16,7 @@ from engine.batch import ForwardBatch, Row
 from engine.drafter import SpecConfig
 from engine.errors import ConfigError
 from engine.engine import Engine, EngineConfig
-from engine.footprint import device_needs, measure
+from engine.footprint import device_needs, estimated_format, measure
 from engine.kv_cache import KV_DTYPES, KVCache, PagedKVCache
 from engine.model import Transformer, embed_rows, embedding_table
 from engine.options import CompressRatios
@@ -256,3 +256,13 @@ def test_the_fit_estimate_is_what_the_engine_allocates(llama8, options):
     weights = sum(b.nbytes for layer in engine.model.layers for b in layer.buffers()) + \
         sum(b.nbytes for b in engine.model.lm_head.buffers())
     assert need.weights == weights
+
+
+def test_under_auto_the_fit_estimate_counts_the_widest_format_the_file_keeps():
+    """--dtype auto keeps a GGUF file's Q4_0/Q4_1/Q8_0 matrices: the default model's widest is its
+    Q8_0 embedding; any other stored type, and an HF model's weights, load as f32."""
+    stored = open_model("default").stored
+    assert estimated_format("auto", stored) == "q8_0"
+    assert estimated_format("auto", {**stored, "model.layers.0.mlp.up_proj.weight": (12, 0)}) == "f32"  # Q6_K
+    assert estimated_format("auto", {}) == "f32"
+    assert estimated_format("int8", stored) == "int8"
