@@ -20,6 +20,22 @@ ROOT = Path(__file__).resolve().parents[1]
 LOAD_TIMEOUT = 180.0  # the default model loads in ~12 s on an idle machine; colleagues share it
 
 
+def wait_answering(proc: subprocess.Popen, url: str, log_text, timeout: float = LOAD_TIMEOUT) -> None:
+    """Until GET url answers 200. Raises, with the tail of the process's log (log_text()), when the
+    process exits first or the time runs out."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}:\n{log_text()}")
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(f"server not ready after {timeout} s:\n{log_text()}")
+
+
 class ServerProcess:
     def __init__(self, args: list[str], log_path: Path, api_key: str | None = None, env: dict | None = None):
         """env: variables added to this process's environment."""
@@ -35,17 +51,8 @@ class ServerProcess:
         self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT)
 
     def wait_ready(self, timeout: float = LOAD_TIMEOUT) -> "ServerProcess":
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_text()}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return self
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
-        raise TimeoutError(f"server not ready after {timeout} s:\n{self.log_text()}")
+        wait_answering(self.proc, f"{self.url}/health", self.log_text, timeout)
+        return self
 
     def client(self, **kwargs) -> httpx.Client:
         return httpx.Client(base_url=self.url, headers=self.headers, timeout=kwargs.pop("timeout", 120), **kwargs)

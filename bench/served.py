@@ -19,7 +19,7 @@ from pathlib import Path
 
 import httpx
 
-from bench.processes import LOAD_TIMEOUT, ServerProcess, free_port, sse_events
+from bench.processes import ServerProcess, free_port, sse_events, wait_answering
 
 
 @dataclass
@@ -90,18 +90,7 @@ class LlamaCppServer:
             stdout=self.log, stderr=subprocess.STDOUT)
 
     def start(self) -> None:
-        deadline = time.monotonic() + LOAD_TIMEOUT
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"llama.cpp server exited with {self.proc.returncode}: see {self.log.name}")
-            try:
-                if httpx.get(self.url + "/v1/models", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"llama.cpp server not ready after {LOAD_TIMEOUT} s: see {self.log.name}")
-            time.sleep(0.3)
+        wait_answering(self.proc, self.url + "/v1/models", lambda: Path(self.log.name).read_text()[-4000:])
         self._check_one_token_per_chunk()
 
     def body(self, text: str, max_tokens: int, temperature: float, seed: int) -> dict:
