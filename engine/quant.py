@@ -96,19 +96,23 @@ class Linear(nn.Module):
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows of W (an embedding lookup when the lm_head is tied to the embedding)."""
         if self.is_blocks:
-            return blocks.dequantize(self.weight[ids].reshape(-1, self.weight.shape[1]), self.dtype,
-                                     self.cols).view(*ids.shape, self.cols)
+            return self._dequantized(self.weight[ids].reshape(-1, self.weight.shape[1])).view(*ids.shape, self.cols)
         if self.scale is None:
             return self.weight[ids]
         return self.weight[ids].float() * self.scale[ids, None]
+
+    def _dequantized(self, rows: torch.Tensor) -> torch.Tensor:
+        """Block rows [n, bytes] -> f32 [n, cols]: the kernel on the CPU, torch's ops on other
+        devices (the kernels are CPU-only); the same numbers either way."""
+        if kernels.usable(rows):
+            return kernels.dequantize_blocks(rows, self.cols)
+        return blocks.dequantize(rows, self.dtype, self.cols)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2 and x.shape[0] <= self.max_kernel_rows and kernels.usable(x):
             return kernels.linear_rows(x, self.weight, self.scale, self.bias)
         if self.is_blocks:
-            w = kernels.dequantize_blocks(self.weight, self.cols) if kernels.usable() else \
-                blocks.dequantize(self.weight, self.dtype, self.cols)
-            return F.linear(x, w, self.bias)
+            return F.linear(x, self._dequantized(self.weight), self.bias)
         if self.scale is None:
             return F.linear(x, self.weight, self.bias)
         y = F.linear(x, self.weight.to(x.dtype)) * self.scale
