@@ -164,8 +164,8 @@ class ProbeCapture:
             n = min(len(k), self.n_prompt - start)
             kept["k"][start:start + n] = k[:n].float()
             return
-        positions = torch.arange(lo, hi)
-        allowed = positions[:, None] >= torch.arange(keys.shape[1])
+        positions = torch.arange(lo, hi, device=keys.device)  # a stage's device, as its keys
+        allowed = qsa.allowed_keys(positions, keys.shape[1], None, spec)
         if spec.is_qsa:
             attended = qsa.attended(qs, kpool, positions, keys.shape[1], spec)
             if bool((attended != allowed).any()):
