@@ -25,7 +25,10 @@ def parse_device(text: str) -> str:
 
 def is_device_name(name: str) -> bool:
     """Whether `name` is a device as parse_device gives it: cpu or cuda:N."""
-    return name == "cpu" or re.fullmatch(r"cuda:\d+", name) is not None
+    try:
+        return parse_device(name) == name
+    except ValueError:
+        return False
 
 
 def parse_devices(text: str) -> tuple[str, ...]:
