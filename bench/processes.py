@@ -153,14 +153,7 @@ class ProxyProcess:
         self.log = open(self.root / f"proxy-{time.monotonic_ns()}.log", "w")
         self.proc = subprocess.Popen([sys.executable, "-m", "proxy", "--config", str(self.root / "proxy.yaml")],
                                      cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT)
-
-        def up():
-            assert self.proc.poll() is None, f"proxy exited: {(self.root / self.log.name).read_text()}"
-            try:
-                return httpx.get(self.url + "/health", timeout=1.0).status_code == 200
-            except httpx.HTTPError:
-                return False
-        wait_until(up, 20, "the proxy's /health")
+        wait_answering(self.proc, self.url + "/health", lambda: Path(self.log.name).read_text(), 20)
         return self
 
     def descendants(self) -> list[int]:
