@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
+from itertools import accumulate
 from typing import TYPE_CHECKING
 
 import torch
@@ -69,10 +70,9 @@ class ForwardBatch:
     def num_tokens(self) -> int:
         return self.token_ids.shape[0]
 
-    def last_token_indices(self) -> torch.Tensor:
-        """Index into the N tokens of each row's last token."""
-        ends = torch.tensor([len(r.tokens) for r in self.rows]).cumsum(0)
-        return ends - 1
+    def row_starts(self) -> list[int]:
+        """Each row's first token's index into the N tokens."""
+        return list(accumulate((len(r.tokens) for r in self.rows[:-1]), initial=0))
 
 
 def _to(value, device: torch.device):

@@ -19,7 +19,7 @@ from engine.batch import ForwardBatch
 from engine.drafter import CachedDrafter, Drafter, SpecConfig, Span, load_drafter
 from engine.errors import ConfigError, check_rules
 from engine.footprint import DeviceUsage, measure
-from engine.kv_cache import KV_DTYPES, KVCache, PagedKVCache
+from engine.kv_cache import KV_DTYPES, KVCache, PagedKVCache, cache_for
 from engine.model import Transformer
 from engine.options import CompressRatios
 from engine.pipeline.head import MirroredCache, PipelineError, RemoteStages, pipelined_forward
@@ -202,15 +202,9 @@ class Engine:
         log.info("loaded %s (%s, %s) in %.1f s", files.path, mc.family, config.dtype, time.perf_counter() - t0)
         formats = model.weight_formats()
         log.info("weights: %s", describe_formats(formats))
-        kv_dtypes = tuple(KV_DTYPES[t] for t in config.kv_types)
-        if config.kv_unified:
-            cache = PagedKVCache(placement.num_layers, config.parallel, config.ctx_size, mc.num_kv_heads, mc.head_dim,
-                                 *kv_dtypes, specs=model.specs, devices=placement.layer_devices())
-            slots = f"1 unified pool of {cache.capacity} positions for {config.parallel} slots"
-        else:
-            cache = KVCache(placement.num_layers, config.parallel, config.ctx_per_slot, mc.num_kv_heads, mc.head_dim,
-                            *kv_dtypes, specs=model.specs, devices=placement.layer_devices())
-            slots = f"{config.parallel} slots x {config.ctx_per_slot} ctx"
+        cache = cache_for(config, mc.num_kv_heads, mc.head_dim, model.specs, placement.layer_devices())
+        slots = f"1 unified pool of {cache.capacity} positions for {config.parallel} slots" if config.kv_unified \
+            else f"{config.parallel} slots x {config.ctx_per_slot} ctx"
         log.info("KV cache: %s", describe_cache(model.specs, slots, cache.nbytes, cache.kpool_nbytes))
         if isinstance(drafter, CachedDrafter):  # a draft model, placed on its device
             devices = measure(model, cache, placement.draft_device, drafter.model, drafter.cache)
@@ -419,7 +413,7 @@ class Engine:
             probe = p.request.probe
             if probe is not None and not probe.done and p.row.start + len(p.row.tokens) >= probe.n_prompt:
                 p.request.probe_result = probe.result()
-        starts = (batch.last_token_indices() + 1 - torch.tensor([len(p.row.tokens) for p in rows])).tolist()
+        starts = batch.row_starts()
         index, firsts = [], []
         for p, start in zip(rows, starts):
             firsts.append(len(index))

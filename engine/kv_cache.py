@@ -14,11 +14,14 @@ keys, through prompt chunks ending mid-block and drafts rejected and rewritten.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 
 from engine.qsa import DENSE, LayerSpec, block_means
+
+if TYPE_CHECKING:
+    from engine.engine import EngineConfig
 
 # q8_0 is named by torch.int8 here; the cache stores it as Q8Storage, which reads back as float32.
 KV_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16, "q8_0": torch.int8}
@@ -310,3 +313,15 @@ class PagedKVCache(_Stores):
             return self.k[layer][:, base:base + length], self.v[layer][:, base:base + length]
         rows = self._index[slot][:length].to(self.devices[layer])
         return self.k[layer].index_select(1, rows), self.v[layer].index_select(1, rows)
+
+
+def cache_for(config: "EngineConfig", kv_heads: int, head_dim: int, specs: Sequence[LayerSpec],
+              devices: Sequence[str]) -> KVCache:
+    """The cache an engine's config asks for, one layer per spec on its device: per-slot, or one
+    unified pool (kv_unified); K and V in config.kv_types."""
+    kv = tuple(KV_DTYPES[t] for t in config.kv_types)
+    if config.kv_unified:
+        return PagedKVCache(len(specs), config.parallel, config.ctx_size, kv_heads, head_dim, *kv, specs=specs,
+                            devices=devices)
+    return KVCache(len(specs), config.parallel, config.ctx_per_slot, kv_heads, head_dim, *kv, specs=specs,
+                   devices=devices)

@@ -312,11 +312,16 @@ class Transformer(nn.Module):
         """Runs the batch, writing its K/V into the cache. Returns hidden states after the final
         norm, [N, hidden], on the last stage's device: the vectors that feed the lm_head (and the
         MTP draft)."""
+        return self.norm(self.trunk(batch, cache, self.stages))
+
+    def trunk(self, batch: ForwardBatch, cache: KVCache, stages) -> torch.Tensor:
+        """The batch embedded and run through `stages` (all, or a pipeline head's own), writing their
+        K/V: hidden states before the final norm, [N, hidden], where the last of them leaves them."""
         x = self.embed_tokens(batch.token_ids)
         cos, sin = self.cos[batch.positions], self.sin[batch.positions]
-        for stage in self.stages:
+        for stage in stages:
             x = stage.run(x, batch, cos, sin, cache)
-        return self.norm(x)
+        return x
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

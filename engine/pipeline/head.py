@@ -36,8 +36,8 @@ class MirroredCache:
 
 
 class RemoteStages(nn.Module):
-    """Stages 1..N-1, on ranks 1..N-1, as one stage of the head's model (model.Stage's interface,
-    with no layers here): hidden states, rows and queued cache operations go to rank 1; the last
+    """Stages 1..N-1, on ranks 1..N-1, as the last stage of the head's model (no layers here; the
+    head's steps run through `pipelined_forward`, which starts each micro-batch): hidden states, rows and queued cache operations go to rank 1; the last
     rank's hidden states come back. After a failure every call raises PipelineError at once: the
     ring has no way back to a consistent state."""
 
@@ -62,10 +62,6 @@ class RemoteStages(nn.Module):
             result = self.link.post_result(x.shape[0], self.timeout)
         self._last_sent = time.monotonic()
         return InFlight(self, sent, result)
-
-    def run(self, x: torch.Tensor, batch: ForwardBatch, cos, sin, cache) -> torch.Tensor:
-        """As a local stage runs: x [N, hidden] through every remote layer."""
-        return self.start(x, batch.rows).result().to(self.device)
 
     def keepalive(self) -> None:
         """Called by the idle engine: a heartbeat when the workers have heard nothing for a while,
@@ -125,18 +121,14 @@ def pipelined_forward(model, depth: int, batch: ForwardBatch, cache) -> torch.Te
     after the final norm, [N, hidden], in the batch's token order."""
     *local, remote = model.stages
     groups = micro_batches(batch.rows, depth)
-    starts = (batch.last_token_indices() + 1 - torch.tensor([len(r.tokens) for r in batch.rows])).tolist()
+    starts = batch.row_starts()
     flights, indices = [], []
     with torch.inference_mode():
         try:
             for group in groups:
                 probes = None if batch.probes is None else [batch.probes[i] for i in group]
                 sub = ForwardBatch.build([batch.rows[i] for i in group], probes if probes and any(probes) else None)
-                x = model.embed_tokens(sub.token_ids)
-                cos, sin = model.cos[sub.positions], model.sin[sub.positions]
-                for stage in local:
-                    x = stage.run(x, sub, cos, sin, cache)
-                flights.append(remote.start(x, sub.rows))
+                flights.append(remote.start(model.trunk(sub, cache, local), sub.rows))
                 indices.append(torch.cat([torch.arange(starts[i], starts[i] + len(batch.rows[i].tokens))
                                           for i in group]))
         except Exception:

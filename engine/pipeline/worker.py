@@ -8,7 +8,7 @@ import torch
 
 from engine.arena import move_to_huge_pages
 from engine.batch import ForwardBatch
-from engine.kv_cache import KV_DTYPES, KVCache, PagedKVCache
+from engine.kv_cache import cache_for
 from engine.model import DecoderLayer, Stage
 from engine.pipeline.ranks import join
 from engine.pipeline.transport import CacheOp, Link, LinkError, Message, Op
@@ -45,11 +45,7 @@ class WorkerStage:
         c = engine_config
         cos, sin = rope_table(config.rope, config.head_dim, max(c.ctx_per_slot, config.max_position_embeddings))
         self.cos, self.sin = cos.to(compute_dtype(dtype)), sin.to(compute_dtype(dtype))
-        kv = tuple(KV_DTYPES[t] for t in c.kv_types)
-        shape = (len(specs), c.parallel, c.ctx_size if c.kv_unified else c.ctx_per_slot, config.num_kv_heads,
-                 config.head_dim)
-        self.cache = (PagedKVCache if c.kv_unified else KVCache)(*shape, *kv, specs=specs,
-                                                                   devices=[device] * len(specs))
+        self.cache = cache_for(c, config.num_kv_heads, config.head_dim, specs, [device] * len(specs))
 
     def apply(self, cache_ops: list[tuple[int, int, int]]) -> None:
         for op, slot, length in cache_ops:
