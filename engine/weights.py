@@ -211,13 +211,11 @@ def _open_gguf(path: Path) -> ModelFiles:
     reader, meta = read_gguf_metadata(path)
     gguf_shapes = {t.name: tuple(int(x) for x in reversed(t.shape)) for t in reader.tensors}
     config = from_gguf_metadata(meta, gguf_shapes)
-    shapes = {}
-    for name, shape in gguf_shapes.items():
-        hf = hf_name_of_gguf(name)
+    shapes, stored = {}, {}
+    for t in reader.tensors:
+        hf = hf_name_of_gguf(t.name)
         if hf is not None:
-            shapes[hf] = shape
-    stored = {hf_name_of_gguf(t.name): (int(t.tensor_type), int(t.n_bytes)) for t in reader.tensors
-              if hf_name_of_gguf(t.name) is not None}
+            shapes[hf], stored[hf] = gguf_shapes[t.name], (int(t.tensor_type), int(t.n_bytes))
     return ModelFiles(path, "gguf", config, shapes, gguf_reader=reader, stored=stored)
 
 
