@@ -288,7 +288,10 @@ class PagedKVCache(_Stores):
         if self.kpool[layer] is not None:
             r = self.specs[layer].ratio
             first, last = start // r, end // r
-            if last > first:
+            if last > first and base is not None:  # a page starts on a block: base // r is the pool row
+                self.kpool[layer][:, base // r + first:base // r + last] = \
+                    block_means(self.k[layer][:, base + first * r:base + last * r], r)
+            elif last > first:
                 keys = self.k[layer].index_select(1, self._index[slot][first * r:last * r].to(self.devices[layer]))
                 self.kpool[layer].index_copy_(1, self._pool_rows(layer, slot, first, last), block_means(keys, r))
 
@@ -299,7 +302,12 @@ class PagedKVCache(_Stores):
         return (self._index[slot][torch.arange(first, last) * ratio] // ratio).to(self.devices[layer])
 
     def read_pool(self, layer: int, slot: int, blocks: int) -> torch.Tensor:
-        """[kv_heads, blocks, head_dim] f32: the slot's first pooled keys (a QSA layer's)."""
+        """[kv_heads, blocks, head_dim] f32: the slot's first pooled keys (a QSA layer's); a view when
+        the slot's pages are contiguous, as `read` gives."""
+        base = self._base[slot]
+        if base is not None:
+            r = self.specs[layer].ratio
+            return self.kpool[layer][:, base // r:base // r + blocks]
         return self.kpool[layer].index_select(1, self._pool_rows(layer, slot, 0, blocks))
 
     def slot_major(self, layer: int, dtype: torch.dtype) -> None:
