@@ -25,8 +25,6 @@
 
 namespace {
 
-constexpr int64_t NR = 4;  // output channels per block
-constexpr int64_t MR = 4;  // rows of x per block
 constexpr int64_t PREFETCH = 2;  // blocks ahead
 constexpr int64_t QK = 32;  // weights per GGUF block
 
@@ -243,23 +241,32 @@ void block(const B* w, int64_t ldw, const float* x, int64_t K, const float* scal
 
 #endif
 
-template <int R, typename W>
+template <int R, int MR, typename W>
 void rows_block(const W* w, int64_t ldw, const float* x, int64_t K, int64_t m, const float* scale, const float* bias,
                 float* out, int64_t ldo) {
   switch (m) {
     case 1: return block<R, 1>(w, ldw, x, K, scale, bias, out, ldo);
     case 2: return block<R, 2>(w, ldw, x, K, scale, bias, out, ldo);
     case 3: return block<R, 3>(w, ldw, x, K, scale, bias, out, ldo);
-    default: return block<R, 4>(w, ldw, x, K, scale, bias, out, ldo);
+    case 4: return block<R, 4>(w, ldw, x, K, scale, bias, out, ldo);
+  }
+  if constexpr (MR > 4) {
+    switch (m) {
+      case 5: return block<R, 5>(w, ldw, x, K, scale, bias, out, ldo);
+      case 6: return block<R, 6>(w, ldw, x, K, scale, bias, out, ldo);
+      case 7: return block<R, 7>(w, ldw, x, K, scale, bias, out, ldo);
+      default: return block<R, 8>(w, ldw, x, K, scale, bias, out, ldo);
+    }
   }
 }
 
 inline const float* at(const float* p, int64_t n) { return p ? p + n : nullptr; }
 
-// ldw: a weight row's length in W (K, or K / 32 blocks).
-template <typename W>
-void run(const W* w, int64_t ldw, const float* x, int64_t M, int64_t N, int64_t K, const float* scale,
-         const float* bias, float* out) {
+// NR output channels against MR rows of x per tile, each weight widened once per tile; ldw: a weight
+// row's length in W (K, or K / 32 blocks).
+template <int64_t NR, int64_t MR, typename W>
+void tiles(const W* w, int64_t ldw, const float* x, int64_t M, int64_t N, int64_t K, const float* scale,
+           const float* bias, float* out) {
   const int64_t blocks = (N + NR - 1) / NR;
   // Each thread streams a contiguous run of output channels; small matrices stay on one thread.
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / (K * NR));
@@ -271,14 +278,24 @@ void run(const W* w, int64_t ldw, const float* x, int64_t M, int64_t N, int64_t 
         const float* xm = x + m0 * K;
         float* om = out + m0 * N + n0;
         if (n0 + NR <= N) {
-          rows_block<NR>(w + n0 * ldw, ldw, xm, K, m, at(scale, n0), at(bias, n0), om, N);
+          rows_block<NR, MR>(w + n0 * ldw, ldw, xm, K, m, at(scale, n0), at(bias, n0), om, N);
         } else {
           for (int64_t n = n0; n < N; ++n)
-            rows_block<1>(w + n * ldw, ldw, xm, K, m, at(scale, n), at(bias, n), om + (n - n0), N);
+            rows_block<1, MR>(w + n * ldw, ldw, xm, K, m, at(scale, n), at(bias, n), om + (n - n0), N);
         }
       }
     }
   });
+}
+
+// Up to 4 rows: 4 channels x 4 rows of accumulators. More rows (a verify block of several slots, a
+// short prompt chunk): 2 channels x 8 rows, so that 8 rows read the weights once, not twice, in the
+// same 16 accumulator registers. Each output is the same sum in the same order either way.
+template <typename W>
+void run(const W* w, int64_t ldw, const float* x, int64_t M, int64_t N, int64_t K, const float* scale,
+         const float* bias, float* out) {
+  if (M <= 4) return tiles<4, 4>(w, ldw, x, M, N, K, scale, bias, out);
+  tiles<2, 8>(w, ldw, x, M, N, K, scale, bias, out);
 }
 
 // The bytes per block of a uint8 weight [N, K / 32 * bytes] read against K input features: the

@@ -57,6 +57,23 @@ def test_block_linear_rows_matches_dequantize_then_matmul(fmt, rows, k):
     assert ((y - ref).abs().max() / ref.abs().max()) < 1e-5
 
 
+@pytest.mark.parametrize("fmt", ["f32", "bf16", "int8", *blocks.FORMATS])
+def test_a_row_gives_the_same_bits_whatever_rows_share_the_call(fmt):
+    # Speculation's exactness rests on this: a verify row (one of several) must equal the decode
+    # row the target would have run alone, bit for bit, whichever row tile the kernel picks.
+    torch.manual_seed(7)
+    n, k = 37, 96
+    if fmt in blocks.FORMATS:
+        w, scale = blocks.quantize(torch.randn(n, k), fmt), None
+    else:
+        w, scale = (torch.randn(n, k) * 40).to({"f32": torch.float32, "bf16": torch.bfloat16, "int8": torch.int8}[fmt]), \
+            torch.rand(n)
+    x = torch.randn(17, k)
+    alone = torch.cat([kernels.linear_rows(x[i:i + 1], w, scale, None) for i in range(17)])
+    for rows in (2, 4, 5, 8, 9, 12, 16, 17):
+        assert torch.equal(kernels.linear_rows(x[:rows], w, scale, None), alone[:rows]), rows
+
+
 @pytest.mark.parametrize("fmt", blocks.FORMATS)
 def test_dequantize_blocks_gives_the_numbers_the_f32_path_reads(fmt):
     data = blocks.quantize(torch.randn(45, 320), fmt)
