@@ -12,7 +12,7 @@ import itertools
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
 
@@ -28,7 +28,7 @@ from engine.placement import Placement
 from engine.qsa import LayerSpec
 from engine.options import SPEC_TYPES
 from engine.quant import compute_dtype, keeps_blocks
-from engine.request import Draft, Request
+from engine.request import Draft, DraftLimits, Request
 from engine.sampling import distribution
 from engine.weights import open_model
 
@@ -36,7 +36,7 @@ from engine.weights import open_model
 @dataclass(frozen=True)
 class SpecConfig:
     """Speculative decoding settings, llama-server's names."""
-    type: str  # canonical: draft-mtp, ngram-simple or draft-simple
+    type: str  # canonical: draft-mtp, draft-mtp-ngram, ngram-simple or draft-simple
     draft_model: str | None = None
     n_max: int = 3
     n_min: int = 0
@@ -54,6 +54,32 @@ class SpecConfig:
             (self.type == "ngram-simple" or self.draft_model, "spec_draft_model", self.draft_model,
              f"is required with spec_type={self.type}"),
         ])
+
+    @property
+    def runs_mtp(self) -> bool:
+        """Whether a detached MTP draft runs (alone, or with the n-gram lookup)."""
+        return self.type in ("draft-mtp", "draft-mtp-ngram")
+
+    @property
+    def limits(self) -> DraftLimits:
+        """What a request that gives no limits of its own drafts under."""
+        return DraftLimits(self.n_max, self.n_min, self.p_min)
+
+    def request_limits(self, n_max: int | None = None, n_min: int | None = None,
+                       p_min: float | None = None) -> DraftLimits:
+        """A request's own limits (llama-server's `speculative.n_max`, `n_min`, `p_min`), the
+        server's where it gives none. Their ranges are checked at the edge (server.protocol); here
+        the rules that need the server's settings: n_max fits the verify rows, which are sized for
+        spec_draft_n_max, and a given n_min is at most the request's n_max. The server's n_min
+        shrinks to a smaller n_max, as llama-server clamps it."""
+        n_max = self.n_max if n_max is None else n_max
+        check_rules([
+            (n_max <= self.n_max, "speculative.n_max", n_max,
+             f"must be <= the server's --spec-draft-n-max={self.n_max} (its verify rows are sized for it)"),
+            (n_min is None or n_min <= n_max, "speculative.n_min", n_min, f"must be in 0..speculative.n_max={n_max}"),
+        ])
+        return DraftLimits(n_max, min(self.n_min, n_max) if n_min is None else n_min,
+                           self.p_min if p_min is None else p_min)
 
 
 @dataclass
@@ -77,6 +103,9 @@ class Drafter(Protocol):
     # Whether spans must carry hidden states; such a drafter's cache entry at position i also
     # depends on token i+1, so the engine recomputes one more position of a reused prefix.
     needs_hidden: bool
+    # The part that runs a draft model with a KV cache of its own, placed on the draft's device
+    # (None: the drafter has no weights).
+    cached: "CachedDrafter | None"
 
     def draft(self, spans: list[Span]) -> dict[Request, Draft]: ...
 
@@ -104,8 +133,17 @@ def _as_draft(tokens: list[int], qs: list, n_min: int) -> Draft:
     return Draft(tokens, torch.stack(qs) if qs and qs[0] is not None else None)
 
 
+def _lookup_draft(req: Request, tokens: list[int], vocab: int) -> Draft:
+    """The draft of tokens the n-gram lookup found for req. A deterministic draft is a one-hot q:
+    the acceptance rule then keeps it with p(x)."""
+    qs = [torch.nn.functional.one_hot(torch.tensor(t), vocab).float() for t in tokens] \
+        if not req.params.greedy else [None] * len(tokens)
+    return _as_draft(tokens, qs, req.draft_limits.n_min)
+
+
 class NgramDrafter:
     needs_hidden = False
+    cached = None
 
     def __init__(self, spec: SpecConfig, vocab: int):
         self.spec, self.vocab = spec, vocab
@@ -116,12 +154,15 @@ class NgramDrafter:
             req = span.request
             if req.prefilling:
                 continue
-            tokens = ngram_draft(req.all_ids, self.spec.ngram_n, min(self.spec.n_max, span.room))
-            # A deterministic draft is a one-hot q: the acceptance rule then keeps it with p(x).
-            qs = [torch.nn.functional.one_hot(torch.tensor(t), self.vocab).float() for t in tokens] \
-                if not req.params.greedy else [None] * len(tokens)
-            drafts[req] = _as_draft(tokens, qs, self.spec.n_min)
+            tokens = ngram_draft(req.all_ids, self.spec.ngram_n, min(req.draft_limits.n_max, span.room))
+            drafts[req] = _lookup_draft(req, tokens, self.vocab)
         return drafts
+
+
+# A choice made per request from the drafter model's depth-1 logits (over its vocab_ids): given the
+# span, that logits row and the draft's length limit, a draft to take instead of the model's
+# deeper ones, or None to let the model draft.
+Override = Callable[[Span, torch.Tensor, int], Draft | None]
 
 
 class CachedDrafter(ABC):
@@ -130,8 +171,12 @@ class CachedDrafter(ABC):
     needs_hidden: bool
     vocab_ids: torch.Tensor | None = None  # full-vocabulary id of each logit, when over a subset
 
-    def __init__(self, spec: SpecConfig, cache, vocab: int):
-        self.spec, self.cache, self.vocab = spec, cache, vocab
+    def __init__(self, cache, vocab: int):
+        self.cache, self.vocab = cache, vocab
+
+    @property
+    def cached(self) -> "CachedDrafter":
+        return self
 
     @abstractmethod
     def catch_up_rows(self, span: Span) -> tuple[Row, torch.Tensor | None]:
@@ -142,29 +187,36 @@ class CachedDrafter(ABC):
         """Forward of `rows`; returns (per-token state for the next depth, logits [N, V'])."""
 
     @torch.inference_mode()
-    def draft(self, spans: list[Span]) -> dict[Request, Draft]:
+    def draft(self, spans: list[Span], override: Override | None = None) -> dict[Request, Draft]:
+        """override: asked for each decoding request once the catch-up has given the depth-1
+        logits; a draft it returns is the request's, and the model drafts no deeper for it."""
         if not spans:
             return {}
         rows, hiddens = zip(*(self.catch_up_rows(s) for s in spans))
         hidden = torch.cat(hiddens) if hiddens[0] is not None else None
         state, logits = self.run(1, list(rows), hidden)
         ends = itertools.accumulate(len(row.tokens) for row in rows)
+        drafts = {}
         active = []  # (request, tokens, qs, limit, position of the next draft row, its logits row)
         for span, row, end in zip(spans, rows, ends):
             req = span.request
             if req.prefilling:
                 continue
-            limit = min(self.spec.n_max, span.room)
+            limit = min(req.draft_limits.n_max, span.room)
+            chosen = override(span, logits[end - 1], limit) if override is not None and limit > 0 else None
+            if chosen is not None:
+                drafts[req] = chosen
+                continue
             active.append([req, [], [], limit, row.start + len(row.tokens), end - 1])
         # Each depth drafts for the requests still going: a request leaves when its draft is as
-        # long as its limit or the draft's confidence falls below p_min.
+        # long as its limit or the draft's confidence falls below its p_min.
         going, depth = [item for item in active if item[3] > 0], 1
         while going:
             rows_at = torch.tensor([item[5] for item in going])
             choices = _choose_drafts(logits[rows_at], [item[0] for item in going], self.vocab_ids, self.vocab)
             still = []
             for item, (token, top, q) in zip(going, choices):
-                if top < self.spec.p_min:
+                if top < item[0].draft_limits.p_min:
                     continue
                 item[1].append(token)
                 item[2].append(q)
@@ -179,15 +231,16 @@ class CachedDrafter(ABC):
             for j, item in enumerate(still):
                 item[5] = j
             going = still
-        return {req: _as_draft(tokens, qs, self.spec.n_min) for req, tokens, qs, *_ in active}
+        drafts.update((req, _as_draft(tokens, qs, req.draft_limits.n_min)) for req, tokens, qs, *_ in active)
+        return drafts
 
 
 class MTPDrafter(CachedDrafter):
     """The detached MTP draft: position i of its cache holds (target hidden h_i, token x_{i+1})."""
     needs_hidden = True
 
-    def __init__(self, spec: SpecConfig, draft, target, cache, vocab: int):
-        super().__init__(spec, cache, vocab)
+    def __init__(self, draft, target, cache, vocab: int):
+        super().__init__(cache, vocab)
         self.model, self.target = draft, target
         self.vocab_ids = draft.vocab_ids
         self.embed_tokens = target.embed_tokens if draft.embed is None else draft.embed_tokens
@@ -202,12 +255,43 @@ class MTPDrafter(CachedDrafter):
         return self.model(depth, hidden.to(embeddings.dtype), embeddings, batch, self.cache)
 
 
+class MTPNgramDrafter:
+    """draft-mtp-ngram: the MTP draft, or the n-gram lookup's continuation where the context offers
+    one the draft agrees with. Per request and step, after the MTP draft has caught up on the
+    committed span (its cache must see every position), the lookup's continuation (at least n_min
+    tokens) is the draft when its first token is the MTP draft's depth-1 top-1 token, or when that
+    top-1 probability is below p_min (the MTP draft would propose nothing); otherwise the MTP
+    draft drafts as draft-mtp does. The rule reads the top-1 token, never a sampled one, so a
+    sampling request's one-hot q is the distribution its n-gram draft was really drawn from."""
+    needs_hidden = True
+
+    def __init__(self, mtp_drafter: MTPDrafter, ngram_n: int):
+        self.cached, self.ngram_n = mtp_drafter, ngram_n
+        self.lookup_drafts = 0  # drafts the n-gram lookup gave: how often it won
+
+    def draft(self, spans: list[Span]) -> dict[Request, Draft]:
+        return self.cached.draft(spans, self._lookup)
+
+    def _lookup(self, span: Span, logits: torch.Tensor, limit: int) -> Draft | None:
+        req = span.request
+        tokens = ngram_draft(req.all_ids, self.ngram_n, limit)
+        if not tokens or len(tokens) < req.draft_limits.n_min:
+            return None
+        top, best = torch.softmax(logits, -1).max(-1)
+        vocab_ids = self.cached.vocab_ids
+        choice = int(vocab_ids[best]) if vocab_ids is not None else int(best)
+        if tokens[0] != choice and float(top) >= req.draft_limits.p_min:
+            return None
+        self.lookup_drafts += 1
+        return _lookup_draft(req, tokens, self.cached.vocab)
+
+
 class DraftModelDrafter(CachedDrafter):
     """A smaller model with the same vocabulary, run autoregressively on its own cache."""
     needs_hidden = False
 
-    def __init__(self, spec: SpecConfig, model, cache, vocab: int):
-        super().__init__(spec, cache, vocab)
+    def __init__(self, model, cache, vocab: int):
+        super().__init__(cache, vocab)
         self.model = model
 
     def catch_up_rows(self, span: Span):
@@ -224,7 +308,7 @@ class DraftModelDrafter(CachedDrafter):
 def check_draft_files(spec: SpecConfig, target: ModelConfig) -> tuple[int, ...]:
     """Header-level checks of the draft, before any weights are read. Returns the compress ratios
     of a detached MTP draft's layers (empty for other drafters)."""
-    if spec.type == "draft-mtp":
+    if spec.runs_mtp:
         header = mtp.read_header(spec.draft_model)
         if header.hidden_size != target.hidden_size:
             mtp.check_compatible(header, spec.draft_model, target, "")
@@ -244,7 +328,7 @@ def load_drafter(spec: SpecConfig, target_model, target_tensors: dict, dtype: st
     config = target_model.config
     if spec.type == "ngram-simple":
         return NgramDrafter(spec, config.vocab_size)
-    if spec.type == "draft-mtp":
+    if spec.runs_mtp:
         header = mtp.read_header(spec.draft_model)
         fingerprint = mtp.target_fingerprint(config, target_tensors["model.embed_tokens.weight"])
         mtp.check_compatible(header, spec.draft_model, config, fingerprint)
@@ -261,7 +345,8 @@ def load_drafter(spec: SpecConfig, target_model, target_tensors: dict, dtype: st
                              embed)
         cache = KVCache(len(specs), slots, ctx_per_slot, config.num_kv_heads, config.head_dim, compute_dtype(dtype),
                         specs=specs, devices=[device] * len(specs))
-        return MTPDrafter(spec, draft, target_model, cache, config.vocab_size)
+        drafter = MTPDrafter(draft, target_model, cache, config.vocab_size)
+        return MTPNgramDrafter(drafter, spec.ngram_n) if spec.type == "draft-mtp-ngram" else drafter
     files = open_model(spec.draft_model)
     c = files.config
     model = Transformer(c, files.load_tensors(keep_blocks=keeps_blocks(dtype)), dtype,
@@ -269,4 +354,4 @@ def load_drafter(spec: SpecConfig, target_model, target_tensors: dict, dtype: st
                         placement=Placement.single(c.num_layers, device))
     cache = KVCache(c.num_layers, slots, ctx_per_slot, c.num_kv_heads, c.head_dim, compute_dtype(dtype),
                     specs=model.specs, devices=[device] * c.num_layers)
-    return DraftModelDrafter(spec, model, cache, config.vocab_size)
+    return DraftModelDrafter(model, cache, config.vocab_size)

@@ -16,7 +16,7 @@ import torch
 
 from engine import kernels
 from engine.batch import ForwardBatch
-from engine.drafter import CachedDrafter, Drafter, SpecConfig, Span, load_drafter
+from engine.drafter import Drafter, SpecConfig, Span, load_drafter
 from engine.errors import ConfigError, check_rules
 from engine.footprint import DeviceUsage, measure
 from engine.kv_cache import KV_DTYPES, KVCache, PagedKVCache, cache_for
@@ -29,7 +29,7 @@ from engine.placement import Placement, is_device_name
 from engine.preflight import Headers, describe_cache, read_headers
 from engine.probe import ProbeCapture, ProbeSpec
 from engine.quant import DTYPES, describe_formats, keeps_blocks
-from engine.request import Draft, Request, Status, StepOutput
+from engine.request import Draft, DraftLimits, Request, Status, StepOutput
 from engine.sampling import SamplingParams, choose, logprob_entry, make_generator
 from engine.scheduler import PlannedRow, Scheduler
 from engine.speculative import Verdict, verify
@@ -206,8 +206,8 @@ class Engine:
         slots = f"1 unified pool of {cache.capacity} positions for {config.parallel} slots" if config.kv_unified \
             else f"{config.parallel} slots x {config.ctx_per_slot} ctx"
         log.info("KV cache: %s", describe_cache(model.specs, slots, cache.nbytes, cache.kpool_nbytes))
-        if isinstance(drafter, CachedDrafter):  # a draft model, placed on its device
-            devices = measure(model, cache, placement.draft_device, drafter.model, drafter.cache)
+        if drafter is not None and drafter.cached is not None:  # a draft model, placed on its device
+            devices = measure(model, cache, placement.draft_device, drafter.cached.model, drafter.cached.cache)
         else:
             devices = measure(model, cache)
         log.info("%d stage(s), pipeline depth %d, %d process(es)", len(stages), config.depth,
@@ -236,13 +236,17 @@ class Engine:
     # -- any thread ---------------------------------------------------------------------------
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, on_output, *, request_id: str | None = None,
-               cache_prompt: bool = True, slot_id: int | None = None, probe: ProbeSpec | None = None) -> Request:
-        """Queue a request; the caller has validated it fits (see check_prompt) and its probe
-        (check_probe). A probe that needs q before the last prompt token runs the prompt whole."""
+               cache_prompt: bool = True, slot_id: int | None = None, probe: ProbeSpec | None = None,
+               draft_limits: DraftLimits | None = None) -> Request:
+        """Queue a request; the caller has validated it fits (see check_prompt), its probe
+        (check_probe) and its draft limits (SpecConfig.request_limits; None: the server's). A probe
+        that needs q before the last prompt token runs the prompt whole."""
         capture = None if probe is None else ProbeCapture.start(probe, self.model.config.num_layers, len(prompt_ids))
+        spec = self.config.spec
         req = Request(request_id or uuid.uuid4().hex, list(prompt_ids), params, on_output,
                       cache_prompt=cache_prompt and not (probe is not None and probe.recomputes), slot_id=slot_id,
-                      generator=make_generator(params.seed), probe=capture)
+                      generator=make_generator(params.seed), probe=capture,
+                      draft_limits=draft_limits or (spec.limits if spec is not None else None))
         self._inbox.put(("add", req))
         self._wake.set()
         return req

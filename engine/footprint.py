@@ -94,7 +94,7 @@ def device_needs(config: "EngineConfig", model: ModelConfig, placement: Placemen
     # A draft's cache is per slot, in the compute dtype.
     draft_positions = config.ctx_per_slot * config.parallel
     draft_kv = ("bf16", "bf16") if compute_dtype(dtype) == torch.bfloat16 else ("f32", "f32")
-    if spec is not None and spec.type == "draft-mtp":
+    if spec is not None and spec.runs_mtp:
         draft.weights += os.path.getsize(spec.draft_model)
         draft.kv += draft_layers * layer_kv_bytes(model, 0, draft_positions, draft_kv)
         if placement.draft_device != first:  # its own embedding copy

@@ -11,7 +11,8 @@ DTYPES = ("f32", "bf16", "int8", "q4_0", "q4_1", "q8_0", "auto")
 KV_CACHE_TYPES = ("f32", "f16", "bf16", "q8_0")
 # Drafter names as llama-server spells them, and short aliases, each to its canonical name.
 SPEC_TYPES = {"draft-mtp": "draft-mtp", "mtp": "draft-mtp", "ngram-simple": "ngram-simple",
-              "ngram": "ngram-simple", "draft-simple": "draft-simple", "draft": "draft-simple"}
+              "ngram": "ngram-simple", "draft-simple": "draft-simple", "draft": "draft-simple",
+              "draft-mtp-ngram": "draft-mtp-ngram", "mtp-ngram": "draft-mtp-ngram"}
 
 
 @dataclass(frozen=True)

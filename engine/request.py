@@ -33,6 +33,16 @@ class RequestTimes:
     probe_recomputed: bool = False  # the prompt ran whole, its cached prefix unused, for an attention probe
 
 
+@dataclass(frozen=True)
+class DraftLimits:
+    """How much one request drafts per step, llama-server's names: the server's --spec-draft-*
+    settings, or the request's own `speculative.n_max`, `n_min` and `p_min`
+    (engine.drafter.SpecConfig.request_limits checks them against the server's)."""
+    n_max: int  # 0: no drafts for this request
+    n_min: int
+    p_min: float
+
+
 @dataclass
 class Draft:
     """Tokens proposed to follow a request's last token, in order, and when the request samples
@@ -69,6 +79,7 @@ class Request:
     draft_n: int = 0
     draft_n_accepted: int = 0
     draft: Draft = field(default_factory=Draft)  # proposed for the next step's verification
+    draft_limits: DraftLimits | None = None  # set by Engine.submit when the engine drafts
     generator: torch.Generator | None = None
     probe: ProbeCapture | None = None  # an attention probe, capturing while the prompt runs
     probe_result: list[LayerProbe] | None = None  # set when the prompt has run (engine/probe.py)

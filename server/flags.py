@@ -144,13 +144,14 @@ _FLAGS = (
                           "'timeout' (default: no limit)", _ranged(float, 0)),
     _Flag(("--log-level",), "least severe log level written", _one_of(LOG_LEVELS)),
     _Flag(("--log-format",), "text, or json: one object per line", _one_of(LOG_FORMATS)),
-    _Flag(("--spec-type",), "drafter for speculative decoding", _one_of(sorted(SPEC_TYPES))),
-    _Flag(("-md", "--spec-draft-model"), "the MTP draft file (draft-mtp) or draft model (draft-simple)"),
+    _Flag(("--spec-type",), "drafter for speculative decoding (draft-mtp-ngram: the n-gram lookup's continuation where the MTP draft "
+                       "agrees with it, else the MTP draft's)", _one_of(sorted(SPEC_TYPES))),
+    _Flag(("-md", "--spec-draft-model"), "the MTP draft file (draft-mtp, draft-mtp-ngram) or draft model (draft-simple)"),
     _Flag(("--spec-draft-n-min",), "draft fewer than this: decode normally", _ranged(int, 0)),
     _Flag(("--spec-draft-n-max",), "most tokens drafted per step", _ranged(int, 1)),
     _Flag(("--spec-draft-p-min",), "stop drafting when the draft's top-1 probability is below this",
           _ranged(float, 0, 1)),
-    _Flag(("--spec-ngram-size-n",), "n-gram length ngram-simple looks up", _ranged(int, 1)),
+    _Flag(("--spec-ngram-size-n",), "n-gram length ngram-simple and draft-mtp-ngram look up", _ranged(int, 1)),
     _Flag(("-devd", "--device-draft", "--spec-draft-device"),
           "device the whole draft runs on (its layers, head, cache): cpu, cuda or cuda:N", _parsed(parse_device)),
     _Flag(("-dev", "--device", "--devices"), "devices the trunk's layers run on, one stage each, in order: a comma "

@@ -11,6 +11,7 @@ from typing import AsyncIterator
 
 from engine.errors import ConfigError
 from engine.probe import ProbeSpec
+from engine.request import DraftLimits
 from engine.sampling import SamplingParams
 from engine.tokenizer import IncrementalDecoder
 from server.probes import probe_body, probe_spec
@@ -41,6 +42,7 @@ class PreparedRequest:
     cache_prompt: bool
     slot_id: int | None
     probe: ProbeSpec | None = None
+    draft_limits: DraftLimits | None = None  # the request's own; None: the server's
 
 
 @dataclass
@@ -61,7 +63,8 @@ class Final:
 def prepare(state: ServerState, body: SamplingFields, prompt_ids: list[int],
             n_logprobs: int | None) -> PreparedRequest:
     """Everything checked before a slot is taken: model name, lengths, sampling parameters (their
-    ranges are SamplingParams' rules), the attention probe (ProbeSpec's), and room in the wait queue."""
+    ranges are SamplingParams' rules), the attention probe (ProbeSpec's), the speculation limits
+    (SpecConfig.request_limits'), and room in the wait queue."""
     engine = state.runner.engine
     state.check_model(body.model)
     limit = body.token_limit
@@ -87,10 +90,20 @@ def prepare(state: ServerState, body: SamplingFields, prompt_ids: list[int],
         probe = None if body.attention_probe is None else probe_spec(body.attention_probe)
         if probe is not None:
             engine.check_probe(probe, len(prompt_ids))
+        draft_limits = _draft_limits(engine.config.spec, body)
     except ConfigError as e:
         raise _wire_error(e) from e
     _check_queue(state)
-    return PreparedRequest(prompt_ids, params, body.stop_strings, body.cache_prompt, body.id_slot, probe)
+    return PreparedRequest(prompt_ids, params, body.stop_strings, body.cache_prompt, body.id_slot, probe, draft_limits)
+
+
+def _draft_limits(spec, body: SamplingFields) -> DraftLimits | None:
+    """The request's own speculation limits, or None: the server's, or none to apply on a server
+    that does not speculate (which ignores them, as llama-server does)."""
+    given = body.spec_n_max, body.spec_n_min, body.spec_p_min
+    if spec is None or given == (None, None, None):
+        return None
+    return spec.request_limits(*given)
 
 
 def _check_queue(state: ServerState) -> None:
@@ -109,7 +122,8 @@ async def run(state: ServerState, prepared: PreparedRequest) -> AsyncIterator[Pi
     consumer stops early (client gone), a stop string matches, or --timeout runs out (finish_reason
     "timeout"); a request the client left is counted in /metrics as cancelled."""
     stream = state.runner.submit(prepared.prompt_ids, prepared.params, cache_prompt=prepared.cache_prompt,
-                                 slot_id=prepared.slot_id, probe=prepared.probe)
+                                 slot_id=prepared.slot_id, probe=prepared.probe,
+                                 draft_limits=prepared.draft_limits)
     decoder = IncrementalDecoder(state.runner.engine.tokenizer)
     matcher = StopMatcher(prepared.stops)
     timeout = state.settings.timeout

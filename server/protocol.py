@@ -184,6 +184,34 @@ class SamplingFields(_Body):
     cache_prompt: bool = True
     id_slot: int | None = None
     attention_probe: AttentionProbe | None = None
+    # llama-server's per-request speculation limits, flat keys with a dot as it reads them; absent:
+    # the server's --spec-draft-n-max, -n-min, -p-min. The server checks them against its own
+    # (SpecConfig.request_limits); a server that does not speculate ignores them, as llama-server does.
+    spec_n_max: int | None = Field(default=None, alias="speculative.n_max", json_schema_extra={"minimum": 0})
+    spec_n_min: int | None = Field(default=None, alias="speculative.n_min", json_schema_extra={"minimum": 0})
+    spec_p_min: float | None = Field(default=None, alias="speculative.p_min",
+                                     json_schema_extra={"minimum": 0, "maximum": 1})
+
+    @field_validator("spec_n_max", "spec_n_min")
+    @classmethod
+    def _draft_count(cls, v: int | None) -> int | None:
+        if v is not None and v < 0:
+            raise ValueError(f"must be >= 0 (0 drafts nothing), got {v}")
+        return v
+
+    @field_validator("spec_p_min")
+    @classmethod
+    def _draft_p_min(cls, v: float | None) -> float | None:
+        if v is not None and not 0 <= v <= 1:
+            raise ValueError(f"must be in [0, 1], got {v}")
+        return v
+
+    @model_validator(mode="after")
+    def _draft_n_min(self):
+        if None not in (self.spec_n_min, self.spec_n_max) and self.spec_n_min > self.spec_n_max:
+            raise ValueError(f"speculative.n_min: must be in 0..speculative.n_max={self.spec_n_max}, "
+                             f"got {self.spec_n_min}")
+        return self
 
     @field_validator("n")
     @classmethod

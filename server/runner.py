@@ -16,7 +16,7 @@ from engine.engine import Engine, EngineConfig
 from engine.pipeline.ranks import LocalWorkers, Rank
 from engine.preflight import Headers
 from engine.probe import ProbeSpec
-from engine.request import Request, StepOutput
+from engine.request import DraftLimits, Request, StepOutput
 from engine.sampling import SamplingParams
 
 log = logging.getLogger("tandem.server")
@@ -100,7 +100,7 @@ class EngineRunner:
                 return
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, *, cache_prompt: bool,
-               slot_id: int | None, probe: ProbeSpec | None = None) -> Stream:
+               slot_id: int | None, probe: ProbeSpec | None = None, draft_limits: DraftLimits | None = None) -> Stream:
         """Called on the event loop, after the request was validated."""
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue = asyncio.Queue()
@@ -112,7 +112,7 @@ class EngineRunner:
                 pass
 
         request = self.engine.submit(prompt_ids, params, on_output, cache_prompt=cache_prompt, slot_id=slot_id,
-                                     probe=probe)
+                                     probe=probe, draft_limits=draft_limits)
         return Stream(request, outputs, self)
 
     def stop(self) -> None:

@@ -82,11 +82,28 @@ def test_sampling_ranges_are_left_to_the_engine():
      "logit_bias: bias nan must be a finite number (or -Infinity, a ban)"),
     ({"prompt": "a", "seed": 2**64}, "seed: Input should be less than 18446744073709551616"),
     ({"prompt": "a", "seed": -2**63 - 1}, "seed: Input should be greater than or equal to -9223372036854775808"),
+    ({"prompt": "a", "speculative.n_max": -1}, "speculative.n_max: must be >= 0 (0 drafts nothing), got -1"),
+    ({"prompt": "a", "speculative.n_min": -2}, "speculative.n_min: must be >= 0 (0 drafts nothing), got -2"),
+    ({"prompt": "a", "speculative.p_min": 1.5}, "speculative.p_min: must be in [0, 1], got 1.5"),
+    ({"prompt": "a", "speculative.p_min": float("nan")}, "speculative.p_min: must be in [0, 1], got nan"),
+    ({"prompt": "a", "speculative.n_max": 2, "speculative.n_min": 3},
+     "speculative.n_min: must be in 0..speculative.n_max=2, got 3"),
+    ({"prompt": "a", "speculative.n_max": "many"},
+     "speculative.n_max: Input should be a valid integer, unable to parse string as an integer"),
 ])
 def test_refusals_name_the_field(body, problem):
     with pytest.raises(ValidationError) as e:
         CompletionRequest.model_validate(body)
     assert validation_problems(e.value.errors()) == [problem]
+
+
+def test_speculation_limits_read_llama_servers_flat_keys():
+    r = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}], "speculative.n_max": 0,
+                                              "speculative.n_min": 0, "speculative.p_min": 1})
+    assert (r.spec_n_max, r.spec_n_min, r.spec_p_min) == (0, 0, 1.0) and not r.model_extra
+    assert (CompletionRequest(prompt="a").spec_n_max, CompletionRequest(prompt="a").spec_p_min) == (None, None)
+    schema = CompletionRequest.model_json_schema()["properties"]
+    assert schema["speculative.n_max"]["minimum"] == 0 and schema["speculative.p_min"]["maximum"] == 1
 
 
 def test_logit_bias_forms_give_integer_ids():

@@ -1,5 +1,6 @@
-"""Speculation through HTTP: same greedy text as without it, and its counters in timings, /slots,
-/metrics and /props."""
+"""Speculation through HTTP: same greedy text as without it, whatever the drafter or the request's
+own limits (llama-server's `speculative.n_max`, `n_min`, `p_min`), and its counters in timings,
+/slots, /metrics and /props."""
 from __future__ import annotations
 
 import re
@@ -18,10 +19,28 @@ def servers(start_server, tiny_model):
     return plain, spec
 
 
-def complete(server) -> dict:
+@pytest.fixture(scope="module")
+def combined(start_server, tiny_model, tmp_path_factory):
+    """A server with draft-mtp-ngram (by its alias) and an untrained MTP draft for the tiny model."""
+    from engine import mtp
+    from engine.weights import open_model
+    from tests.engine.test_mtp import save_draft
+    files = open_model(tiny_model)
+    tensors = files.load_tensors()
+    draft = tmp_path_factory.mktemp("draft") / "draft.safetensors"
+    save_draft(draft, files.config, tensors, mtp.target_fingerprint(files.config, tensors["model.embed_tokens.weight"]))
+    return start_server(["-m", str(tiny_model), "-c", "1024", "-np", "1", "--alias", "tiny", "--spec-type", "mtp-ngram",
+                         "-md", str(draft), "--spec-ngram-size-n", "2"])
+
+
+def post(server, **extra):
     with server.client() as c:
-        r = c.post("/v1/completions", json={"model": "tiny", "prompt": PROMPT, "max_tokens": 48,
-                                            "temperature": 0, "ignore_eos": True})
+        return c.post("/v1/completions", json={"model": "tiny", "prompt": PROMPT, "max_tokens": 48,
+                                               "temperature": 0, "ignore_eos": True, **extra})
+
+
+def complete(server, **extra) -> dict:
+    r = post(server, **extra)
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -57,3 +76,44 @@ def test_bad_speculation_flags_are_refused_before_loading(tmp_path):
         parse(["--spec-type", "mtp"])
     with pytest.raises(ConfigError, match=r"spec_draft_n_min=5: must be in 0..spec_draft_n_max=3"):
         parse(["--spec-type", "ngram", "--spec-draft-n-min", "5"])
+
+
+def test_request_limits_keep_greedy_text_and_bound_the_drafts(servers):
+    plain, spec = servers
+    expected = complete(plain)["choices"][0]["text"]
+    none = complete(spec, **{"speculative.n_max": 0})
+    assert none["choices"][0]["text"] == expected
+    assert none["timings"].get("draft_n", 0) == 0, "n_max 0 drafts nothing (timings leave out zero counts)"
+    one = complete(spec, **{"speculative.n_max": 1, "speculative.n_min": 1, "speculative.p_min": 0.9})
+    assert one["choices"][0]["text"] == expected
+    # At most one draft a step, and a step emits at least one token.
+    assert 0 < one["timings"]["draft_n"] <= one["timings"]["predicted_n"]
+
+
+@pytest.mark.parametrize("extra, message", [
+    ({"speculative.n_max": 4},
+     "speculative.n_max=4: must be <= the server's --spec-draft-n-max=3 (its verify rows are sized for it)"),
+    ({"speculative.n_min": 4}, "speculative.n_min=4: must be in 0..speculative.n_max=3"),
+    ({"speculative.p_min": 2}, "speculative.p_min: must be in [0, 1], got 2.0"),
+])
+def test_bad_request_limits_are_refused_naming_field_value_and_rule(servers, extra, message):
+    _, spec = servers
+    r = post(spec, **extra)
+    assert r.status_code == 400 and r.json()["error"]["message"] == message
+
+
+def test_a_server_that_does_not_speculate_ignores_request_limits(servers):
+    # As llama-server does: a client can send the same body to every server.
+    plain, _ = servers
+    got = complete(plain, **{"speculative.n_max": 99, "speculative.p_min": 0})
+    assert got["choices"][0]["text"] == complete(plain)["choices"][0]["text"] and "draft_n" not in got["timings"]
+    assert post(plain, **{"speculative.n_max": -1}).status_code == 400, "the ranges are checked at the edge"
+
+
+def test_combined_drafter_keeps_greedy_text_and_reports_its_type(servers, combined):
+    plain, _ = servers
+    got = complete(combined)
+    assert got["choices"][0]["text"] == complete(plain)["choices"][0]["text"]
+    assert got["timings"]["draft_n"] > 0
+    with combined.client() as c:
+        assert c.get("/props").json()["speculative"]["type"] == "draft-mtp-ngram"
