@@ -18,8 +18,6 @@ PROMPTS = [
     "Write a poem about tides",
     "Describe the city of Paris for a tourist.",
     "Summarise this: the tide comes in, the tide goes out, and the shore keeps every shell the tide leaves.",
-    "List five uses of a paperclip.",
-    "Explain photosynthesis in two sentences, for a ten-year-old who loves plants and gardens.",
 ]
 GREEDY = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True)
 MTP_DRAFT = Path(__file__).parents[2] / "configs/drafts/smollm2-135m-mtp.safetensors"
@@ -74,7 +72,7 @@ def test_slots_that_stop_drafting_at_different_depths_keep_their_own_drafts(plai
     # while others go on, so each depth drafts for a different set of slots.
     spec = SpecConfig(type="draft-mtp", draft_model=str(MTP_DRAFT), n_max=3, p_min=0.5)
     engine = Engine.load(EngineConfig(model="default", ctx_size=3 * 1024, parallel=3, spec=spec))
-    prompts = PROMPTS[:3]
+    prompts = PROMPTS
     together = run_together(engine, [plain_greedy(p)[0] for p in prompts], GREEDY)
     for prompt, speculative in zip(prompts, together):
         ids, plain = plain_greedy(prompt)
