@@ -22,7 +22,7 @@ PROMPTS = [
     "Explain photosynthesis in two sentences, for a ten-year-old who loves plants and gardens.",
 ]
 GREEDY = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True)
-MTP_DRAFT = Path(__file__).parents[2] / "configs/drafts/smollm2-135m-mtp.safetensors"
+MTP_DRAFT = Path(__file__).parents[2] / "engine/drafts/smollm2-135m-mtp.safetensors"
 
 
 @pytest.fixture(scope="module")
