@@ -12,6 +12,8 @@ KV_CACHE_TYPES = ("f32", "f16", "bf16", "q8_0")
 # Drafter names as llama-server spells them, and short aliases, each to its canonical name.
 SPEC_TYPES = {"draft-mtp": "draft-mtp", "mtp": "draft-mtp", "ngram-simple": "ngram-simple",
               "ngram": "ngram-simple", "draft-simple": "draft-simple", "draft": "draft-simple"}
+# The --spec-type that turns speculation off, as llama-server spells it; not a drafter.
+SPEC_NONE = "none"
 
 
 @dataclass(frozen=True)

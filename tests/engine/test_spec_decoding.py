@@ -2,14 +2,13 @@
 and after a rejected draft the cache holds exactly the accepted tokens."""
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
 from engine.batch import ForwardBatch, Row
 from engine.drafter import SpecConfig
 from engine.engine import Engine, EngineConfig
+from engine.mtp import DEFAULT_DRAFT as MTP_DRAFT
 from engine.sampling import SamplingParams
 from tests.engine.test_generation import chat_ids, run_alone, run_together
 from tests.exact_tokens import assert_same_greedy
@@ -22,7 +21,6 @@ PROMPTS = [
     "Explain photosynthesis in two sentences, for a ten-year-old who loves plants and gardens.",
 ]
 GREEDY = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True)
-MTP_DRAFT = Path(__file__).parents[2] / "engine/drafts/smollm2-135m-mtp.safetensors"
 
 
 @pytest.fixture(scope="module")

@@ -6,6 +6,9 @@ import re
 
 import pytest
 
+from engine.mtp import DEFAULT_DRAFT
+from tests.server.test_devices_flags import start
+
 PROMPT = "the cat sat on the mat and the cat sat on the mat and the cat sat on the"
 
 
@@ -57,3 +60,12 @@ def test_bad_speculation_flags_are_refused_before_loading(tmp_path):
         parse(["--spec-type", "mtp"])
     with pytest.raises(ConfigError, match=r"spec_draft_n_min=5: must be in 0..spec_draft_n_max=3"):
         parse(["--spec-type", "ngram", "--spec-draft-n-min", "5"])
+
+
+def test_the_shipped_draft_with_another_target_exits_2_naming_the_fingerprint_rule(tiny_model):
+    done = start(["-m", str(tiny_model), "--spec-type", "draft-mtp", "-md", "default"])
+    assert done.returncode == 2, done.stderr[-2000:]
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"error: spec_draft_model={str(DEFAULT_DRAFT)!r}: trained for another target")
+    assert "a draft serves only the target whose fingerprint it carries" in last
+    assert "listening" not in done.stderr
