@@ -38,11 +38,11 @@ from bench import served
 from bench.formats import TandemSystem, TransformersSystem, add_workload_flags, run, table, tokens_per_second, workload
 from engine.config import num_param_bytes
 from engine.drafter import SpecConfig
+from engine.mtp import DEFAULT_DRAFT
 from engine.quant import BYTES_PER_WEIGHT, DTYPES
 from engine.tokenizer import Tokenizer
 from engine.weights import open_model
 
-DEFAULT_DRAFT = Path(__file__).parents[1] / "configs/drafts/smollm2-135m-mtp.safetensors"
 LLAMA_CPP = "llama.cpp"
 OPEN_CHAT = Path(__file__).parents[1] / "configs/prompts/open-chat.json"
 
@@ -160,7 +160,7 @@ def http_main(args: argparse.Namespace) -> int:
         systems = []
         for dtype in args.dtype:
             base = ["-m", args.model, "--dtype", dtype, "-c", str(ctx * args.lanes), "-np", str(args.lanes)]
-            systems.append(served.TandemServer(f"tandem {dtype}", base, threads, logs))
+            systems.append(served.TandemServer(f"tandem {dtype}", [*base, "--spec-type", "none"], threads, logs))
             if spec:
                 systems.append(served.TandemServer(f"tandem {dtype} + draft-mtp", base + spec, threads, logs))
         systems.append(served.LlamaCppServer(files.path, ctx, args.lanes, threads, logs))

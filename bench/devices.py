@@ -60,7 +60,7 @@ def pipeline_engine(a: argparse.Namespace, stages: int):
     from engine.engine import Engine, EngineConfig
     from engine.pipeline.ranks import LocalWorkers
     workers = LocalWorkers(["-m", a.model, "--dtype", a.dtype, "-c", str(SLOTS * 1024), "-np", str(SLOTS),
-                            "-t", str(a.threads), "-pp", str(stages)], stages)
+                            "-t", str(a.threads), "-pp", str(stages), "--spec-type", "none"], stages)
     config = EngineConfig(model=a.model, dtype=a.dtype, ctx_size=SLOTS * 1024, parallel=SLOTS, threads=a.threads,
                           pipeline_parallel_size=stages)
     return Engine.load(config, rank=workers.rank, describe_loss=workers.describe_loss), workers

@@ -2,7 +2,7 @@
 each weight format against transformers' generate() in fp32, on the same model, in one run.
 
     python -m bench.formats [--dtypes f32 bf16 int8 auto] [--runs 5] [--pp 512] [--tg 128] [--threads N]
-    python -m bench.formats --dtypes f32 int8 --spec-type draft-mtp -md configs/drafts/smollm2-135m-mtp.safetensors \
+    python -m bench.formats --dtypes f32 int8 --spec-type draft-mtp -md default \
         --heldout 5 --no-transformers
 
 Every run measures each system once, in turn (alternating, so that a noisy neighbour hurts all of

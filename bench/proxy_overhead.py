@@ -77,7 +77,7 @@ def main() -> int:
         from engine.tiny import write_tiny_model
         a.model = str(write_tiny_model(json.loads((ROOT / "configs" / "tiny" / "llama.json").read_text()), root / "tiny"))
     proxy = ProxyProcess(root, {"bench": {"args": ["-m", a.model, "-c", "4096", "-np", "1", "--dtype", a.dtype,
-                                                   "-t", str(a.threads)],
+                                                   "-t", str(a.threads), "--spec-type", "none"],
                                           "health_timeout": 300}})
     try:
         proxy.start()

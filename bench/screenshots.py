@@ -59,8 +59,8 @@ def main() -> None:
         tmp = Path(tmp)
         model = write_tiny_model(json.loads((ROOT / "configs/tiny/llama.json").read_text()), tmp / "tiny", seed=0)
         server_args = ["-m", str(model), "-c", "4096", "-np", "1"]
-        server = ServerProcess(["-m", "default", "--dtype", "int8", "--spec-type", "draft-mtp", "-md",
-                                str(ROOT / "configs/drafts/smollm2-135m-mtp.safetensors")], tmp / "server.log")
+        server = ServerProcess(["-m", "default", "--dtype", "int8", "--spec-type", "draft-mtp", "-md", "default"],
+                               tmp / "server.log")
         proxy = ProxyProcess(tmp / "proxy", {
             "tiny": {"args": [*server_args, "-t", "1"], "health_timeout": 180},
             "broken": {"args": ["-m", str(tmp / "no-such-model"), "-t", "1"], "health_timeout": 60}})

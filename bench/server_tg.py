@@ -68,7 +68,7 @@ def main() -> None:
     print(f"default model {a.dtype}, prompt {PROMPT!r}, {a.tokens} tokens, greedy, threads={a.threads}, runs={a.runs}")
     engine = Engine.load(EngineConfig(model="default", ctx_size=2048, parallel=1, threads=a.threads, dtype=a.dtype))
     logs = Path(tempfile.mkdtemp())
-    flags = ["-m", "default", "-t", str(a.threads), "--dtype", a.dtype]
+    flags = ["-m", "default", "-t", str(a.threads), "--dtype", a.dtype, "--spec-type", "none"]  # as the engine
     one = ServerProcess([*flags, "-np", "1", "-c", "2048"], logs / "np1.log")
     four = ServerProcess([*flags, "-np", "4", "-c", "8192"], logs / "np4.log")
     try:

@@ -35,7 +35,9 @@ from engine.weights import open_model
 
 @dataclass(frozen=True)
 class SpecConfig:
-    """Speculative decoding settings, llama-server's names."""
+    """Speculative decoding settings, llama-server's names. An MTP draft_model of "default" becomes
+    the path of the draft the engine ships (mtp.DEFAULT_DRAFT), so everything downstream (its
+    checks, /props, the footprint) sees the file."""
     type: str  # canonical: draft-mtp, draft-mtp-ngram, ngram-simple or draft-simple
     draft_model: str | None = None
     n_max: int = 3
@@ -44,6 +46,8 @@ class SpecConfig:
     ngram_n: int = 3
 
     def __post_init__(self) -> None:
+        if self.runs_mtp and self.draft_model == "default":
+            object.__setattr__(self, "draft_model", str(mtp.DEFAULT_DRAFT))
         check_rules([
             (self.type in SPEC_TYPES.values(), "spec_type", self.type, f"must be one of {', '.join(SPEC_TYPES)}"),
             (self.n_max >= 1, "spec_draft_n_max", self.n_max, "must be >= 1"),
@@ -310,8 +314,7 @@ def check_draft_files(spec: SpecConfig, target: ModelConfig) -> tuple[int, ...]:
     of a detached MTP draft's layers (empty for other drafters)."""
     if spec.runs_mtp:
         header = mtp.read_header(spec.draft_model)
-        if header.hidden_size != target.hidden_size:
-            mtp.check_compatible(header, spec.draft_model, target, "")
+        mtp.check_compatible(header, spec.draft_model, target, "")
         return header.compress_ratios
     if spec.type == "draft-simple":
         files = open_model(spec.draft_model)

@@ -34,6 +34,9 @@ from engine.quant import Linear, compute_dtype
 from engine.rope import rope_table
 
 FORMAT = "tandem-mtp/1"
+# The draft shipped with the engine package for the default model (`-md default`); how it was made:
+# configs/drafts/smollm2-135m-mtp.md.
+DEFAULT_DRAFT = Path(__file__).parent / "drafts" / "smollm2-135m-mtp.safetensors"
 
 
 def target_fingerprint(config: ModelConfig, embedding: torch.Tensor | BlockTensor) -> str:
@@ -86,12 +89,15 @@ def read_header(path: str | Path) -> MTPHeader:
 
 
 def check_compatible(header: MTPHeader, path, target: ModelConfig, fingerprint: str) -> None:
+    """fingerprint "": only the geometry, from the headers (the fingerprint needs embedding rows)."""
     if header.hidden_size != target.hidden_size:
-        raise ConfigError(f"spec_draft_model={str(path)!r}: hidden size {header.hidden_size} does not match the "
-                          f"target's hidden_size={target.hidden_size}")
-    if header.target_fingerprint != fingerprint:
-        raise ConfigError(f"spec_draft_model={str(path)!r}: trained for another target ({header.target_name}, "
-                          f"fingerprint {header.target_fingerprint}); this target's fingerprint is {fingerprint}")
+        theirs = f"hidden size {header.hidden_size}", f"this target's hidden_size is {target.hidden_size}"
+    elif fingerprint and header.target_fingerprint != fingerprint:
+        theirs = f"fingerprint {header.target_fingerprint}", f"this target's fingerprint is {fingerprint}"
+    else:
+        return
+    raise ConfigError(f"spec_draft_model={str(path)!r}: trained for another target ({header.target_name}, "
+                      f"{theirs[0]}): a draft serves only the target whose fingerprint it carries; {theirs[1]}")
 
 
 def save(path: str | Path, tensors: dict[str, torch.Tensor], num_layers: int, fingerprint: str,

@@ -13,6 +13,8 @@ KV_CACHE_TYPES = ("f32", "f16", "bf16", "q8_0")
 SPEC_TYPES = {"draft-mtp": "draft-mtp", "mtp": "draft-mtp", "ngram-simple": "ngram-simple",
               "ngram": "ngram-simple", "draft-simple": "draft-simple", "draft": "draft-simple",
               "draft-mtp-ngram": "draft-mtp-ngram", "mtp-ngram": "draft-mtp-ngram"}
+# The --spec-type that turns speculation off, as llama-server spells it; not a drafter.
+SPEC_NONE = "none"
 
 
 @dataclass(frozen=True)

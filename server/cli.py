@@ -5,21 +5,34 @@ from typing import Sequence
 
 from engine.drafter import SpecConfig
 from engine.engine import EngineConfig
-from engine.options import SPEC_TYPES
-from server.flags import ServerFlags, parse_flags
+from engine.options import SPEC_NONE, SPEC_TYPES
+from server.flags import AUTO_PARALLEL, ServerFlags, parse_flags
 from server.state import ServerSettings
 
 
+def _spec(f: ServerFlags) -> SpecConfig | None:
+    """--spec-type as given (none: off). Without it the default model, the product, speculates with
+    draft-mtp and its shipped draft (or -md's file); another model does not, and -md alone does not
+    turn speculation on."""
+    if f.spec_type is None and f.model == "default":
+        kind, draft = "draft-mtp", f.spec_draft_model or "default"
+    elif f.spec_type is None or f.spec_type == SPEC_NONE:
+        return None
+    else:
+        kind, draft = SPEC_TYPES[f.spec_type], f.spec_draft_model
+    return SpecConfig(type=kind, draft_model=draft, n_max=f.spec_draft_n_max, n_min=f.spec_draft_n_min,
+                      p_min=f.spec_draft_p_min, ngram_n=f.spec_ngram_size_n)
+
+
 def configs(f: ServerFlags) -> tuple[EngineConfig, ServerSettings]:
-    """Raises ConfigError (naming the field) for a combination of flags the engine cannot run."""
-    spec = None
-    if f.spec_type is not None:
-        spec = SpecConfig(type=SPEC_TYPES[f.spec_type], draft_model=f.spec_draft_model, n_max=f.spec_draft_n_max,
-                          n_min=f.spec_draft_n_min, p_min=f.spec_draft_p_min, ngram_n=f.spec_ngram_size_n)
-    engine = EngineConfig(model=f.model, dtype=f.dtype, ctx_size=f.ctx_size, parallel=f.parallel,
+    """Raises ConfigError (naming the field) for a combination of flags the engine cannot run. Without
+    -np, AUTO_PARALLEL slots share one unified KV pool (llama-server's -np auto): each request may
+    still use the whole context; an explicit -np N splits it N ways unless --kv-unified is given."""
+    spec = _spec(f)
+    engine = EngineConfig(model=f.model, dtype=f.dtype, ctx_size=f.ctx_size, parallel=f.parallel or AUTO_PARALLEL,
                           batch_size=f.batch_size, ubatch_size=f.ubatch_size, cache_type=f.cache_type_k,
-                          cache_type_v=f.cache_type_v, kv_unified=f.kv_unified, threads=f.threads,
-                          chat_template=f.chat_template, spec=spec, compress_ratios=f.compress_ratios,
+                          cache_type_v=f.cache_type_v, kv_unified=f.kv_unified or f.parallel is None,
+                          threads=f.threads, chat_template=f.chat_template, spec=spec, compress_ratios=f.compress_ratios,
                           qsa_budget=f.qsa_budget, devices=f.devices, layer_split=f.layer_split,
                           tensor_split=f.tensor_split, draft_device=f.spec_draft_device,
                           pipeline_parallel_size=f.pipeline_parallel_size, pipeline_depth=f.pipeline_depth,

@@ -11,11 +11,13 @@ import math
 from dataclasses import dataclass, fields
 from typing import Callable, Sequence
 
-from engine.options import DTYPES, KV_CACHE_TYPES, SPEC_TYPES, CompressRatios
+from engine.options import DTYPES, KV_CACHE_TYPES, SPEC_NONE, SPEC_TYPES, CompressRatios
 from engine.placement import parse_device, parse_devices, parse_layer_split, parse_proportions
 from server.logs import LOG_FORMATS, LOG_LEVELS
 
 DEFAULT_BODY_LIMIT = 8 * 2**20
+# Slots without -np, sharing one unified KV pool: llama-server's `-np auto`.
+AUTO_PARALLEL = 4
 
 
 class FlagError(ValueError):
@@ -26,7 +28,7 @@ class FlagError(ValueError):
 class ServerFlags:
     model: str = "default"
     ctx_size: int = 4096
-    parallel: int = 1
+    parallel: int | None = None  # None: AUTO_PARALLEL slots with kv_unified
     batch_size: int = 2048
     ubatch_size: int = 512
     threads: int | None = None
@@ -45,7 +47,7 @@ class ServerFlags:
     timeout: float | None = None  # None: no time limit
     log_level: str = "info"
     log_format: str = "text"
-    spec_type: str | None = None  # as given: a name or an alias in engine.options.SPEC_TYPES
+    spec_type: str | None = None  # as given: a name or an alias in engine.options.SPEC_TYPES, or SPEC_NONE
     spec_draft_model: str | None = None
     spec_draft_n_min: int = 0
     spec_draft_n_max: int = 3
@@ -121,7 +123,9 @@ class _Flag:
 _FLAGS = (
     _Flag(("-m", "--model"), "HF directory, .gguf file, or 'default' (SmolLM2-135M)"),
     _Flag(("-c", "--ctx-size"), "total context, split across the slots", _ranged(int, 1)),
-    _Flag(("-np", "--parallel"), "slots: requests generated at once", _ranged(int, 1)),
+    _Flag(("-np", "--parallel"), "slots: requests generated at once (default: "
+          f"{AUTO_PARALLEL} sharing one KV pool, as with --kv-unified; -np N splits the context N ways unless "
+          "--kv-unified)", _ranged(int, 1)),
     _Flag(("-b", "--batch-size"), "most tokens one engine step takes", _ranged(int, 1)),
     _Flag(("-ub", "--ubatch-size"), "most prompt tokens one forward takes", _ranged(int, 1)),
     _Flag(("-t", "--threads"), "torch threads", _ranged(int, 1)),
@@ -144,9 +148,11 @@ _FLAGS = (
                           "'timeout' (default: no limit)", _ranged(float, 0)),
     _Flag(("--log-level",), "least severe log level written", _one_of(LOG_LEVELS)),
     _Flag(("--log-format",), "text, or json: one object per line", _one_of(LOG_FORMATS)),
-    _Flag(("--spec-type",), "drafter for speculative decoding (draft-mtp-ngram: the n-gram lookup's continuation where the MTP draft "
-                       "agrees with it, else the MTP draft's)", _one_of(sorted(SPEC_TYPES))),
-    _Flag(("-md", "--spec-draft-model"), "the MTP draft file (draft-mtp, draft-mtp-ngram) or draft model (draft-simple)"),
+    _Flag(("--spec-type",), f"drafter for speculative decoding, or {SPEC_NONE} (default: draft-mtp with the "
+          "shipped draft for -m default, else none; draft-mtp-ngram: the n-gram lookup's continuation where the MTP "
+          "draft agrees with it, else the MTP draft's)", _one_of(sorted([*SPEC_TYPES, SPEC_NONE]))),
+    _Flag(("-md", "--spec-draft-model"), "the MTP draft file (draft-mtp, draft-mtp-ngram; 'default': the one shipped "
+          "for the default model) or draft model (draft-simple)"),
     _Flag(("--spec-draft-n-min",), "draft fewer than this: decode normally", _ranged(int, 0)),
     _Flag(("--spec-draft-n-max",), "most tokens drafted per step", _ranged(int, 1)),
     _Flag(("--spec-draft-p-min",), "stop drafting when the draft's top-1 probability is below this",

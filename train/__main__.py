@@ -1,6 +1,6 @@
 """`python -m train`: train an MTP draft for a target by self-distillation (see docs/architecture.md).
 
-    python -m train --out configs/drafts/smollm2-135m-mtp.safetensors [--minutes 15] ...
+    python -m train --out engine/drafts/smollm2-135m-mtp.safetensors [--minutes 15] ...
 
 1. Data: the target's own greedy answers to chat prompts (configs/drafts/mtp-prompts*.json: every
    task template x every topic, whole topics of the first file held out) and plain English from

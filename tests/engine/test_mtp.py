@@ -3,6 +3,7 @@ logits, and a draft made for another target is refused with a message that says 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -68,7 +69,9 @@ def test_draft_for_another_target_is_refused(target, tmp_path, tmp_path_factory)
     other_config, other_tensors, other_fingerprint = tiny_target(tmp_path_factory, seed=1)  # same geometry
     path = tmp_path / "other.safetensors"
     save_draft(path, other_config, other_tensors, other_fingerprint)
-    with pytest.raises(ConfigError, match="trained for another target"):
+    with pytest.raises(ConfigError, match=re.escape(
+            f"trained for another target (tiny, fingerprint {other_fingerprint}): a draft serves only the target "
+            f"whose fingerprint it carries; this target's fingerprint is {fingerprint}")):
         mtp.check_compatible(mtp.read_header(path), path, config, fingerprint)
 
 
@@ -77,8 +80,23 @@ def test_draft_of_another_hidden_size_is_refused(target, tmp_path, tmp_path_fact
     wide = tiny_target(tmp_path_factory, hidden_size=96, seed=2)
     path = tmp_path / "wide.safetensors"
     save_draft(path, *wide)
-    with pytest.raises(ConfigError, match=f"hidden size 96 does not match the target's hidden_size={config.hidden_size}"):
+    rule = re.escape(f"trained for another target (tiny, hidden size 96): a draft serves only the target whose "
+                     f"fingerprint it carries; this target's hidden_size is {config.hidden_size}")
+    with pytest.raises(ConfigError, match=rule):
         mtp.check_compatible(mtp.read_header(path), path, config, fingerprint)
+    with pytest.raises(ConfigError, match=rule):  # from the headers alone, before the target's weights are read
+        mtp.check_compatible(mtp.read_header(path), path, config, "")
+
+
+def test_the_shipped_draft_is_package_data_of_the_engine():
+    """A plain (not editable) `pip install .` copies only what pyproject's package-data names."""
+    import tomllib
+    from fnmatch import fnmatch
+    pyproject = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())
+    engine_dir = Path(mtp.__file__).parent
+    relative = mtp.DEFAULT_DRAFT.relative_to(engine_dir).as_posix()
+    assert any(fnmatch(relative, pattern) for pattern in pyproject["tool"]["setuptools"]["package-data"]["engine"])
+    assert mtp.read_header(mtp.DEFAULT_DRAFT).target_name  # the file itself, not an LFS pointer
 
 
 def test_a_file_that_is_not_a_draft_is_refused(tmp_path):

@@ -2,14 +2,13 @@
 and after a rejected draft the cache holds exactly the accepted tokens."""
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
 from engine.batch import ForwardBatch, Row
 from engine.drafter import SpecConfig
 from engine.engine import Engine, EngineConfig
+from engine.mtp import DEFAULT_DRAFT as MTP_DRAFT
 from engine.sampling import SamplingParams
 from tests.engine.test_generation import chat_ids, run_alone, run_together
 from tests.exact_tokens import assert_same_greedy
@@ -20,7 +19,6 @@ PROMPTS = [
     "Summarise this: the tide comes in, the tide goes out, and the shore keeps every shell the tide leaves.",
 ]
 GREEDY = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True)
-MTP_DRAFT = Path(__file__).parents[2] / "configs/drafts/smollm2-135m-mtp.safetensors"
 
 
 @pytest.fixture(scope="module")

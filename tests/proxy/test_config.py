@@ -79,6 +79,8 @@ BAD_DTYPE_MESSAGE = "profile 'smollm2': args: --dtype='nosuch': must be one of f
 def test_profile_args_are_read_by_the_servers_own_flag_parser(tmp_path):
     path = write(tmp_path, "groups: {}\n", one=BAD_DTYPE, two="""
 fine: {args: [-m, x, --spec-type, ngram, --spec-draft-p-min, "0.25"]}
+plain: {args: [-m, default, --spec-type, none]}
+shipped: {args: [-m, default, --spec-type, draft-mtp, -md, default]}
 zero: {args: [-m, x, -c, "0"]}
 typo: {args: [-m, x, --ctx-sise, "4096"]}
 """)

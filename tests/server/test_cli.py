@@ -6,10 +6,11 @@ import pytest
 
 from engine.errors import ConfigError
 from engine.kv_cache import KV_DTYPES
+from engine.mtp import DEFAULT_DRAFT
 from engine.options import DTYPES, KV_CACHE_TYPES
 from engine.quant import TORCH_DTYPES
 from server.cli import parse
-from server.flags import FlagError, parse_flags
+from server.flags import AUTO_PARALLEL, FlagError, parse_flags
 from tests.server.helpers import ROOT
 
 
@@ -70,3 +71,43 @@ def test_the_kv_cache_holds_the_compute_type_unless_told_otherwise(argv, types):
     """Attention reads the cache in the compute type: a cache in another type is converted every step."""
     engine, _ = parse(["-m", "x", *argv])
     assert engine.kv_types == types
+
+
+def test_the_default_model_serves_the_product_speculating_on_four_unified_slots():
+    engine, _ = parse([])
+    assert (engine.model, engine.dtype, engine.parallel, engine.kv_unified) == ("default", "f32", AUTO_PARALLEL, True)
+    assert engine.ctx_per_slot == engine.ctx_size  # each request may still use the whole context
+    assert (engine.spec.type, engine.spec.draft_model) == ("draft-mtp", str(DEFAULT_DRAFT))
+    assert parse(["-m", "default"])[0] == engine
+
+
+@pytest.mark.parametrize("argv", [["--spec-type", "none"], ["-m", "x", "--spec-type", "none"],
+                                  ["-md", "default", "--spec-type", "none"], ["-m", "x"], ["-m", "x", "-md", "y"]])
+def test_spec_type_none_and_another_model_without_spec_type_do_not_speculate(argv):
+    assert parse_flags(argv).spec_type in (None, "none")
+    assert parse(argv)[0].spec is None
+
+
+@pytest.mark.parametrize("argv,draft", [
+    (["-m", "x", "--spec-type", "mtp", "-md", "default"], str(DEFAULT_DRAFT)),
+    (["--spec-type", "draft-mtp", "-md", "default"], str(DEFAULT_DRAFT)),
+    (["-md", "other.safetensors"], "other.safetensors"),  # the default model's implied draft-mtp, -md's file
+])
+def test_md_default_names_the_shipped_draft(argv, draft):
+    spec = parse(argv)[0].spec
+    assert (spec.type, spec.draft_model) == ("draft-mtp", draft)
+
+
+@pytest.mark.parametrize("argv,slots,unified", [(["-np", "2"], 2, False), (["-np", "2", "--kv-unified"], 2, True),
+                                                (["-np", "1"], 1, False), (["--kv-unified"], AUTO_PARALLEL, True)])
+def test_an_explicit_np_splits_the_context_unless_kv_unified(argv, slots, unified):
+    engine, _ = parse(["-m", "x", "-c", "4096", *argv])
+    assert (engine.parallel, engine.kv_unified) == (slots, unified)
+    assert engine.ctx_per_slot == (4096 if unified else 4096 // slots)
+
+
+def test_a_bad_spec_type_lists_none_among_the_choices():
+    with pytest.raises(FlagError) as e:
+        parse_flags(["--spec-type", "eagle"])
+    assert str(e.value) == ("--spec-type='eagle': must be one of draft, draft-mtp, draft-simple, mtp, ngram, "
+                            "ngram-simple, none")

@@ -70,7 +70,7 @@ CASES = {
     "unknown device": (["--devices", "cpu,cuda:0", "--layer-split", "2,1"], "devices='cuda:0': no CUDA device"),
     "unknown draft device": (["-devd", "cuda:1"], "draft_device='cuda:1': no CUDA device"),
     # 2**30 positions of 3 layers x K and V x 2 kv heads x 16 f32 is 768 GiB: more than this machine's RAM.
-    "cannot fit": (["-c", str(2**30)], "ctx_size=1073741824: cpu would need about 786433 MiB (weights 1 MiB + KV "
+    "cannot fit": (["-c", str(2**30), "-np", "1"], "ctx_size=1073741824: cpu would need about 786433 MiB (weights 1 MiB + KV "
                                        "cache 786432 MiB at parallel=1) but has {ram} MiB; use a smaller ctx_size"),
 }
 

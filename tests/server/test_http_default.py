@@ -1,5 +1,7 @@
 """Greedy output through a real server on the default model (SmolLM2-135M): the official openai
-client, concurrent streams against solo runs, and prefix reuse. One server for the module.
+client, concurrent streams against solo runs, and prefix reuse, on a plain server (`--spec-type
+none`, two slots); and what `python -m server` serves with no flags: the shipped MTP draft on 4
+slots sharing one KV pool, with the plain server's greedy answer.
 
 Token lists are compared with the exact-token rule (docs/architecture.md, "The exact-token rule");
 the reference's top-2 logit gap comes from its own top_logprobs (a logprob gap equals the logit gap)."""
@@ -11,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
+from engine.mtp import DEFAULT_DRAFT
 from tests.exact_tokens import NEAR_TIE, first_difference
 from tests.server.helpers import sse_events
 
@@ -21,7 +24,8 @@ QUESTIONS = ["What is the capital of France?", "Name three colours.", "Why is th
 
 @pytest.fixture(scope="module")
 def server(start_server):
-    s = start_server(["-m", "default", "-np", "2", "-c", "4096", "-ub", "128", "--alias", "smollm2"], wait=False)
+    s = start_server(["-m", "default", "-np", "2", "-c", "4096", "-ub", "128", "--alias", "smollm2", "--spec-type",
+                      "none"], wait=False)
     s.first_health = first_health_answer(s)
     yield s.wait_ready()
     s.kill()
@@ -124,3 +128,27 @@ def test_prefix_reuse_reports_cache_n_and_keeps_the_output(server):
     assert fresh["timings"]["cache_n"] == 0
     assert reused["usage"]["prompt_tokens"] == reused["timings"]["cache_n"] + reused["timings"]["prompt_n"]
     assert_same_greedy(reused["choices"][0]["logprobs"]["content"], fresh["choices"][0]["logprobs"]["content"])
+
+
+def test_spec_type_none_serves_without_a_draft(server):
+    with server.client() as c:
+        assert c.get("/props").json()["speculative"]["type"] is None
+        assert not any(slot["speculative"] for slot in c.get("/slots").json())
+
+
+def test_the_main_command_serves_the_shipped_draft_on_four_unified_slots(start_server, server):
+    product = start_server([])
+    try:
+        with product.client() as c:
+            props = c.get("/props").json()
+            slots = c.get("/slots").json()
+            got = whole(c, chat(QUESTIONS[3]))
+    finally:
+        product.kill()
+    assert (props["speculative"]["type"], props["speculative"]["draft_model"]) == ("draft-mtp", str(DEFAULT_DRAFT))
+    assert (props["dtype"], props["total_slots"], props["kv_unified"]) == ("f32", 4, True)
+    assert [(s["n_ctx"], s["speculative"]) for s in slots] == [(props["n_ctx"], True)] * 4
+    with server.client() as c:
+        plain = whole(c, chat(QUESTIONS[3]))
+    assert got["timings"]["draft_n"] > 0
+    assert_same_greedy(got["choices"][0]["logprobs"]["content"], plain["choices"][0]["logprobs"]["content"])

@@ -7,6 +7,9 @@ import re
 
 import pytest
 
+from engine.mtp import DEFAULT_DRAFT
+from tests.server.test_devices_flags import start
+
 PROMPT = "the cat sat on the mat and the cat sat on the mat and the cat sat on the"
 
 
@@ -117,3 +120,12 @@ def test_combined_drafter_keeps_greedy_text_and_reports_its_type(servers, combin
     assert got["timings"]["draft_n"] > 0
     with combined.client() as c:
         assert c.get("/props").json()["speculative"]["type"] == "draft-mtp-ngram"
+
+
+def test_the_shipped_draft_with_another_target_exits_2_naming_the_fingerprint_rule(tiny_model):
+    done = start(["-m", str(tiny_model), "--spec-type", "draft-mtp", "-md", "default"])
+    assert done.returncode == 2, done.stderr[-2000:]
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"error: spec_draft_model={str(DEFAULT_DRAFT)!r}: trained for another target")
+    assert "a draft serves only the target whose fingerprint it carries" in last
+    assert "listening" not in done.stderr
