@@ -109,5 +109,5 @@ def test_an_explicit_np_splits_the_context_unless_kv_unified(argv, slots, unifie
 def test_a_bad_spec_type_lists_none_among_the_choices():
     with pytest.raises(FlagError) as e:
         parse_flags(["--spec-type", "eagle"])
-    assert str(e.value) == ("--spec-type='eagle': must be one of draft, draft-mtp, draft-simple, mtp, ngram, "
-                            "ngram-simple, none")
+    assert str(e.value) == ("--spec-type='eagle': must be one of draft, draft-mtp, draft-mtp-ngram, draft-simple, mtp, "
+                            "mtp-ngram, ngram, ngram-simple, none")
