@@ -12,7 +12,7 @@ timing are those of bench.formats. It also measures the machine's memory bandwid
 TG ceiling it allows at batch 1, where every weight is read once per token.
 
     python -m bench.compare --http [--dtype f32 int8] [--runs 3] [--tg 128] [--lanes 1] [--temperature 0]
-                            [--prompts configs/prompts/open-chat.json]
+                            [--prompts configs/prompts/open-chat.json] [--spec-type draft-mtp draft-mtp-ngram]
 
 --http: the servers instead, as a user meets them (bench/served.py): for each dtype, tandem's
 server plain and with the MTP draft, and llama.cpp's server on the same GGUF file; every run sends
@@ -96,6 +96,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompts", type=Path, default=OPEN_CHAT, help="--http: a JSON file with a 'prompts' list")
     p.add_argument("--lanes", type=int, default=1, help="--http: requests at once (and slots per tandem server)")
     p.add_argument("--temperature", type=float, default=0.0, help="--http: sampling temperature")
+    p.add_argument("--spec-type", nargs="+", choices=["draft-mtp", "draft-mtp-ngram"], default=["draft-mtp"],
+                   help="--http: the drafters each dtype is served with, beside plain")
     args = p.parse_args(argv)
     if args.http:
         return http_main(args)
@@ -153,7 +155,7 @@ def http_main(args: argparse.Namespace) -> int:
     texts = [tokenizer.apply_chat_template([{"role": "user", "content": m}]) for m in messages]
     ctx = max(len(tokenizer.encode(t)) for t in texts) + args.tg + 1
     draft = args.spec_draft_model or (str(DEFAULT_DRAFT) if args.model == "default" else None)
-    spec = ["--spec-type", "draft-mtp", "-md", str(draft), "--spec-draft-n-max", str(args.spec_draft_n_max),
+    spec = ["-md", str(draft), "--spec-draft-n-max", str(args.spec_draft_n_max),
             "--spec-draft-p-min", str(args.spec_draft_p_min)] if draft else None
     with tempfile.TemporaryDirectory(prefix="bench-http-") as tmp:
         logs = Path(tmp)
@@ -161,8 +163,9 @@ def http_main(args: argparse.Namespace) -> int:
         for dtype in args.dtype:
             base = ["-m", args.model, "--dtype", dtype, "-c", str(ctx * args.lanes), "-np", str(args.lanes)]
             systems.append(served.TandemServer(f"tandem {dtype}", [*base, "--spec-type", "none"], threads, logs))
-            if spec:
-                systems.append(served.TandemServer(f"tandem {dtype} + draft-mtp", base + spec, threads, logs))
+            for kind in args.spec_type if spec else ():
+                systems.append(served.TandemServer(f"tandem {dtype} + {kind}", [*base, "--spec-type", kind, *spec],
+                                                   threads, logs))
         systems.append(served.LlamaCppServer(files.path, ctx, args.lanes, threads, logs))
         try:
             for s in systems:
