@@ -44,6 +44,10 @@ class SpecConfig:
     n_min: int = 0
     p_min: float = 0.5
     ngram_n: int = 3
+    # Speculate only while at most this many requests decode (0: always). Each decoding request
+    # adds 1 + n_max verify rows, and on a CPU a step of many rows is bound by arithmetic, not by
+    # reading the weights: there a draft accepted 40% of the time costs more than it saves.
+    max_batch: int = 0
 
     def __post_init__(self) -> None:
         if self.runs_mtp and self.draft_model == "default":
@@ -55,6 +59,7 @@ class SpecConfig:
              f"must be in 0..spec_draft_n_max={self.n_max}"),
             (0 <= self.p_min <= 1 and not math.isnan(self.p_min), "spec_draft_p_min", self.p_min, "must be in [0, 1]"),
             (self.ngram_n >= 1, "spec_ngram_size_n", self.ngram_n, "must be >= 1"),
+            (self.max_batch >= 0, "spec_max_batch", self.max_batch, "must be >= 0 (0: no limit)"),
             (self.type == "ngram-simple" or self.draft_model, "spec_draft_model", self.draft_model,
              f"is required with spec_type={self.type}"),
         ])

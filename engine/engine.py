@@ -390,7 +390,12 @@ class Engine:
 
     def _draft(self, spans: list[Span]) -> None:
         """Drafts for the next step, batched; when the batch fails, each request drafts alone so
-        that only the one that fails loses its stream."""
+        that only the one that fails loses its stream. Past spec.max_batch decoding requests no
+        request drafts, but a drafter with a cache still sees every committed position."""
+        limit = self.config.spec.max_batch
+        if limit and sum(not s.request.prefilling for s in spans) > limit:
+            for span in spans:
+                span.room = 0
         try:
             drafts = self.drafter.draft(spans)
         except Exception:

@@ -174,3 +174,25 @@ def test_sampled_drafts_keep_the_target_distribution(tiny_model, draft, kind, p_
     assert observed[~support].sum() == 0, "a token the target gives zero probability came out"
     expected = p[support].double() / p[support].double().sum() * DRAWS  # p in f32 sums to 1 only nearly
     assert chisquare(observed[support].numpy(), expected.numpy()).pvalue > 0.001
+
+
+@pytest.mark.parametrize("kind", ["ngram-simple", "draft-mtp"])
+def test_past_max_batch_decoding_requests_no_request_drafts_and_output_stays_the_targets(tiny_model, draft, plain,
+                                                                                         kind):
+    spec = SpecConfig(type=kind, draft_model=None if kind == "ngram-simple" else str(draft), n_max=3, p_min=0.0,
+                      ngram_n=2, max_batch=1)
+    engine = Engine.load(EngineConfig(model=str(tiny_model), ctx_size=512, parallel=2, spec=spec))
+    ids = plain.tokenizer.encode(PROMPT)
+    expected, _, _ = run(plain, ids, GREEDY)
+    outs = [[], []]
+    reqs = [engine.submit(ids, GREEDY, lambda o, out=out: out.extend(o.token_ids),
+                          cache_prompt=False) for out in outs]
+    engine._drain_inbox()
+    while any(r.finish_reason is None for r in reqs):
+        engine.step()
+        both_decode = all(r.finish_reason is None and not r.prefilling for r in reqs)
+        assert not (both_decode and any(r.draft.tokens for r in reqs)), "two requests decode: nobody drafts"
+    assert outs == [expected, expected] and all(r.draft_n == 0 for r in reqs)
+    # Alone, the same request drafts again: the limit counts the requests decoding now.
+    tokens, req, _ = run(engine, ids, GREEDY)
+    assert tokens == expected and req.draft_n > 0

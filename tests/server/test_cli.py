@@ -78,7 +78,11 @@ def test_the_default_model_serves_the_product_speculating_on_four_unified_slots(
     assert (engine.model, engine.dtype, engine.parallel, engine.kv_unified) == ("default", "f32", AUTO_PARALLEL, True)
     assert engine.ctx_per_slot == engine.ctx_size  # each request may still use the whole context
     assert (engine.spec.type, engine.spec.draft_model) == ("draft-mtp", str(DEFAULT_DRAFT))
+    assert engine.spec.max_batch == 1  # drafts only while one request decodes: more rows cost more on a CPU
     assert parse(["-m", "default"])[0] == engine
+    assert parse(["--spec-max-batch", "0"])[0].spec.max_batch == 0
+    with pytest.raises(FlagError, match="--spec-max-batch"):
+        parse_flags(["--spec-max-batch", "-1"])
 
 
 @pytest.mark.parametrize("argv", [["--spec-type", "none"], ["-m", "x", "--spec-type", "none"],
