@@ -192,8 +192,10 @@ class CachedDrafter(ABC):
         """The drafter's rows for a committed span, and the hidden states they take (or None)."""
 
     @abstractmethod
-    def run(self, depth: int, rows: list[Row], hidden: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor]:
-        """Forward of `rows`; returns (per-token state for the next depth, logits [N, V'])."""
+    def run(self, depth: int, rows: list[Row], hidden: torch.Tensor | None,
+            at: torch.Tensor | None = None) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """Forward of `rows`; returns (per-token state for the next depth, logits [len(at), V'] at
+        the tokens `at` indexes, or at every token when it is None)."""
 
     @torch.inference_mode()
     def draft(self, spans: list[Span], override: Override | None = None) -> dict[Request, Draft]:
@@ -203,23 +205,28 @@ class CachedDrafter(ABC):
             return {}
         rows, hiddens = zip(*(self.catch_up_rows(s) for s in spans))
         hidden = torch.cat(hiddens) if hiddens[0] is not None else None
-        state, logits = self.run(1, list(rows), hidden)
-        ends = itertools.accumulate(len(row.tokens) for row in rows)
+        # The head runs only at the last catch-up token of a request that drafts: a prompt chunk's
+        # rows, and those of a request with no room to draft, only fill the cache.
+        drafting = []  # (span, the position its first draft token goes to, its last token in the batch)
+        for span, row, end in zip(spans, rows, itertools.accumulate(len(row.tokens) for row in rows)):
+            if not span.request.prefilling and min(span.request.draft_limits.n_max, span.room) > 0:
+                drafting.append((span, row.start + len(row.tokens), end - 1))
+        last = torch.tensor([d[2] for d in drafting], dtype=torch.long)
+        state, logits = self.run(1, list(rows), hidden, last)
+        state = state[last.to(state.device)] if state is not None else None
         drafts = {}
-        active = []  # (request, tokens, qs, limit, position of the next draft row, its logits row)
-        for span, row, end in zip(spans, rows, ends):
+        active = []  # [request, tokens, qs, limit, position of the next draft row, its row in state and logits]
+        for j, (span, position, _) in enumerate(drafting):
             req = span.request
-            if req.prefilling:
-                continue
             limit = min(req.draft_limits.n_max, span.room)
-            chosen = override(span, logits[end - 1], limit) if override is not None and limit > 0 else None
+            chosen = override(span, logits[j], limit) if override is not None else None
             if chosen is not None:
                 drafts[req] = chosen
                 continue
-            active.append([req, [], [], limit, row.start + len(row.tokens), end - 1])
+            active.append([req, [], [], limit, position, j])
         # Each depth drafts for the requests still going: a request leaves when its draft is as
         # long as its limit or the draft's confidence falls below its p_min.
-        going, depth = [item for item in active if item[3] > 0], 1
+        going, depth = active, 1
         while going:
             rows_at = torch.tensor([item[5] for item in going])
             choices = _choose_drafts(logits[rows_at], [item[0] for item in going], self.vocab_ids, self.vocab)
@@ -235,7 +242,7 @@ class CachedDrafter(ABC):
                 break
             depth += 1
             rows = [Row(item[0].slot, item[4] + depth - 2, [item[1][-1]]) for item in still]
-            prev = state[torch.tensor([item[5] for item in still])] if state is not None else None
+            prev = state[torch.tensor([item[5] for item in still]).to(state.device)] if state is not None else None
             state, logits = self.run(depth, rows, prev)
             for j, item in enumerate(still):
                 item[5] = j
@@ -258,10 +265,10 @@ class MTPDrafter(CachedDrafter):
         ids = span.request.all_ids
         return Row(span.request.slot, span.start, ids[span.start + 1:span.end + 1]), span.hidden
 
-    def run(self, depth, rows, hidden):
+    def run(self, depth, rows, hidden, at=None):
         batch = ForwardBatch.build(rows)
         embeddings = self.embed_tokens(batch.token_ids)
-        return self.model(depth, hidden.to(embeddings.dtype), embeddings, batch, self.cache)
+        return self.model(depth, hidden.to(embeddings.dtype), embeddings, batch, self.cache, at)
 
 
 class MTPNgramDrafter:
@@ -308,10 +315,10 @@ class DraftModelDrafter(CachedDrafter):
         ids = span.request.all_ids
         return Row(span.request.slot, span.start, ids[span.start:span.end + 1]), None
 
-    def run(self, depth, rows, hidden):
+    def run(self, depth, rows, hidden, at=None):
         batch = ForwardBatch.build(rows)
         out = self.model(batch, self.cache)
-        return None, self.model.logits(out)
+        return None, self.model.logits(out if at is None else out[at.to(out.device)])
 
 
 def check_draft_files(spec: SpecConfig, target: ModelConfig) -> tuple[int, ...]:

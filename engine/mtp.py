@@ -165,11 +165,12 @@ class MTPDraft(nn.Module):
         return min(depth, self.num_layers) - 1
 
     def forward(self, depth: int, hidden: torch.Tensor, embeddings: torch.Tensor, batch: ForwardBatch,
-                cache) -> tuple[torch.Tensor, torch.Tensor]:
+                cache, at: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """hidden, embeddings: [N, H] for the batch's N positions (the token at each position is the
         next token after it), on any device. Writes this depth's layer cache. Returns (block output
-        before norm [N, H] on the draft's device, subset logits [N, K] f32 on the CPU)."""
+        before norm [N, H] on the draft's device, subset logits f32 on the CPU: [len(at), K] at the
+        positions `at` indexes, or [N, K] when it is None)."""
         layer, d = self.layers[self.layer_for_depth(depth)], self.device
         x = layer.eh_proj(torch.cat([layer.enorm(embeddings.to(d)), layer.hnorm(hidden.to(d))], dim=-1))
         x = run_on(d, [layer.block], x, batch, self.cos[batch.positions], self.sin[batch.positions], cache)
-        return x, self.head(layer.norm(x)).float().cpu()
+        return x, self.head(layer.norm(x if at is None else x[at.to(d)])).float().cpu()
