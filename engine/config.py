@@ -150,6 +150,9 @@ def with_compression(c: ModelConfig, override: CompressRatios | None, budget: in
             raise ConfigError(f"compress_ratios has {len(given)} entries: needs one per trunk layer ({n}){whole}")
     built_in = c.compress_ratios[n:] or (0,) * c.num_nextn_predict_layers
     target = replace(c, compress_ratios=trunk + built_in, qsa_budget=c.qsa_budget if budget is None else budget)
+    if draft_ratios:  # the trunk's and the draft's ratios together, under ModelConfig's rules
+        _validate_compression(replace(target, compress_ratios=trunk + draft_ratios,
+                                      num_nextn_predict_layers=len(draft_ratios)))
     return target, draft_ratios
 
 

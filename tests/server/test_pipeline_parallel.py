@@ -48,7 +48,8 @@ def one_process(start_server, llama8):
         server.kill()
 
 
-UNIFIED_MTP = ["--kv-unified", "--spec-type", "draft-mtp", "--spec-draft-p-min", "0"]
+# --spec-max-batch 0: both slots draft while both decode (the server pauses drafts past one by default).
+UNIFIED_MTP = ["--kv-unified", "--spec-type", "draft-mtp", "--spec-draft-p-min", "0", "--spec-max-batch", "0"]
 
 
 @pytest.mark.parametrize("extra, layers", [

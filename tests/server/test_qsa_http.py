@@ -47,7 +47,7 @@ def plain_texts(start_server, llama8):
 @pytest.mark.parametrize("draft", ["draft.safetensors", "qsa-draft.safetensors"])
 def test_qsa_trunk_with_an_mtp_draft_serves_two_slots_losslessly(start_server, llama8, plain_texts, draft):
     server = start_server(["-m", str(llama8), *QSA, "--spec-type", "draft-mtp", "-md", str(llama8 / draft),
-                           "--spec-draft-p-min", "0"])
+                           "--spec-draft-p-min", "0", "--spec-max-batch", "0"])  # both slots draft at once
     try:
         results = complete_both(server)
     finally:
