@@ -20,7 +20,8 @@ KEY = "page-key"
 
 @pytest.fixture(scope="module")
 def server(start_server, tiny_model):
-    return start_server(["-m", str(tiny_model), "-c", "32768", "-np", "1", "--spec-type", "ngram",
+    # One thread: the other core stays with the browser while the server streams at full speed.
+    return start_server(["-m", str(tiny_model), "-c", "32768", "-np", "1", "-t", "1", "--spec-type", "ngram",
                          "--spec-draft-n-max", "3", "--spec-draft-p-min", "0", "--spec-ngram-size-n", "2"],
                         api_key=KEY)
 

@@ -38,6 +38,18 @@ async function send(text) {
   streaming = new AbortController();
   $("send").disabled = true;
   $("stop").disabled = false;
+  // Text is added, and scrolled to, at most every 50 ms: scrolling forces a layout of the whole
+  // answer, and once per token that starves the page (and its stop button) on a fast stream.
+  let pending = "";
+  let timer = null;
+  const flush = () => {
+    clearTimeout(timer);
+    timer = null;
+    if (!pending) return;
+    textBox.append(pending);  // a text node: the model's output never becomes markup
+    pending = "";
+    answer.scrollIntoView({ block: "end" });
+  };
   try {
     const body = { model: $("model").value, messages, stream: true, ...settings() };
     const response = await post("/v1/chat/completions", body, streaming.signal);
@@ -45,15 +57,19 @@ async function send(text) {
       if (chunk.error) throw new ApiError(chunk.error.message);
       const piece = chunk.choices?.[0]?.delta?.content;
       if (piece) {
-        textBox.append(piece);  // a text node: the model's output never becomes markup
-        answer.scrollIntoView({ block: "end" });
+        pending += piece;
+        timer ??= setTimeout(flush, 50);
       }
-      if (chunk.timings) answer.append(element("div", timingsLine(chunk.timings), "timings"));
+      if (chunk.timings) {
+        flush();
+        answer.append(element("div", timingsLine(chunk.timings), "timings"));
+      }
     }
   } catch (error) {
     if (error.name === "AbortError") answer.append(element("div", "stopped", "timings"));
     else showError(error);
   } finally {
+    flush();
     // A turn refused before any text is left out of the conversation, so the next one is not sent it.
     if (textBox.textContent) messages.push({ role: "assistant", content: textBox.textContent });
     else messages.pop();
