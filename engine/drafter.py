@@ -119,14 +119,20 @@ class Drafter(Protocol):
     def draft(self, spans: list[Span]) -> dict[Request, Draft]: ...
 
 
+def _top1(logits: torch.Tensor, vocab_ids: torch.Tensor | None) -> tuple[list[int], list[float]]:
+    """Each row's most likely token (a full-vocabulary id) and its probability, from drafter logits
+    [R, V'] (over `vocab_ids` when given), in one pass for the whole batch."""
+    top, best = torch.softmax(logits, -1).max(-1)
+    return (vocab_ids[best] if vocab_ids is not None else best).tolist(), top.tolist()
+
+
 def _choose_drafts(logits: torch.Tensor, reqs: list[Request], vocab_ids: torch.Tensor | None, vocab: int):
     """A draft token from each row of drafter logits [R, V'] (over `vocab_ids` when given), for
     reqs[r]: (token, its top-1 probability, and when the request samples the full-vocabulary
     distribution the token came from)."""
-    top, best = torch.softmax(logits, -1).max(-1)  # one pass for the whole batch, greedy or not
-    ids = (vocab_ids[best] if vocab_ids is not None else best).tolist()
+    ids, tops = _top1(logits, vocab_ids)  # greedy or not: p_min reads the top-1 probability
     out = []
-    for row, req, token, p in zip(logits, reqs, ids, top.tolist()):
+    for row, req, token, p in zip(logits, reqs, ids, tops):
         if req.params.greedy:
             out.append((token, p, None))
             continue
@@ -293,10 +299,8 @@ class MTPNgramDrafter:
         tokens = ngram_draft(req.all_ids, self.ngram_n, limit)
         if not tokens or len(tokens) < req.draft_limits.n_min:
             return None
-        top, best = torch.softmax(logits, -1).max(-1)
-        vocab_ids = self.cached.vocab_ids
-        choice = int(vocab_ids[best]) if vocab_ids is not None else int(best)
-        if tokens[0] != choice and float(top) >= req.draft_limits.p_min:
+        (choice,), (top,) = _top1(logits[None], self.cached.vocab_ids)
+        if tokens[0] != choice and top >= req.draft_limits.p_min:
             return None
         self.lookup_drafts += 1
         return _lookup_draft(req, tokens, self.cached.vocab)
