@@ -7,8 +7,9 @@
 // they are read (int8 and bf16 convert exactly) and accumulated in f32, four output channels at
 // a time against up to four rows of x, so each weight byte is read from memory once per step.
 // Activations stay in floating point: only the weights are quantized. A block weight is widened
-// with the same f32 operations that dequantize it (engine/blocks.py), so the product equals the
-// f32 path's on the dequantized matrix up to summation order.
+// with the same f32 operations that dequantize it (engine/blocks.py; a q4_1 block's minimum m
+// multiplies the block's sum of x instead of being added to each weight), so the product equals
+// the f32 path's on the dequantized matrix up to the order and grouping of the sum.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -18,6 +19,7 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <vector>
 
 #if defined(__AVX512F__) || defined(__F16C__)
 #include <immintrin.h>
@@ -96,8 +98,8 @@ inline __m512 load16(const at::BFloat16* p, __mmask16 mask) { return widen_bf16(
 // out[j, i] = scale[i] sum_k w[i, k] x[j, k] + bias[i] for i < R output channels, j < M rows of x;
 // weight row i starts at w + i * ldw.
 template <int R, int M, typename W, std::enable_if_t<!is_block<W>, int> = 0>
-void block(const W* w, int64_t ldw, const float* x, int64_t K, const float* scale, const float* bias, float* out,
-           int64_t ldo) {
+void block(const W* w, int64_t ldw, const float* x, int64_t K, const float*, const float* scale, const float* bias,
+           float* out, int64_t ldo) {
   __m512 acc[R][M];
   for (int i = 0; i < R; ++i)
     for (int j = 0; j < M; ++j) acc[i][j] = _mm512_setzero_ps();
@@ -125,38 +127,45 @@ void block(const W* w, int64_t ldw, const float* x, int64_t K, const float* scal
     for (int j = 0; j < M; ++j) out[j * ldo + i] = epilogue(_mm512_reduce_add_ps(acc[i][j]), scale, bias, i);
 }
 
-// A block's 32 weights as two f32 vectors from its scale d and minimum m (q4_1), with the operations
-// of widen() above (no fused multiply-add: d * q + m rounds twice there, and so here). A 4-bit
-// block's 16 possible weights are one vector, a table that vpermps indexes by nibble (it reads an
-// index's low 4 bits, so the low nibbles need no mask): two permutes instead of widening 32 nibbles.
+// A block's 32 weights d * q (q4_0: d * (q - 8)) as two f32 vectors, rounded as widen() above rounds
+// them. A 4-bit block's 16 possible values are one vector, a table that vpermps indexes by nibble (it
+// reads an index's low 4 bits, so the low nibbles need no mask): two permutes instead of widening 32
+// nibbles. A q4_1 block's minimum m is added apart: to a weight here, to a product in block() below.
 inline __m512i nibble_index(const uint8_t* qs) {
   return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)));
 }
-inline void widen(const BlockQ8_0& b, float d, float, __m512& w0, __m512& w1) {
+inline void scaled(const BlockQ8_0& b, float d, __m512& w0, __m512& w1) {
   const __m512 dv = _mm512_set1_ps(d);
   const __m128i* q = reinterpret_cast<const __m128i*>(b.qs);
   w0 = _mm512_mul_ps(dv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q))));
   w1 = _mm512_mul_ps(dv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q + 1))));
 }
-inline void widen(const BlockQ4_0& b, float d, float, __m512& w0, __m512& w1) {
+inline void scaled(const BlockQ4_0& b, float d, __m512& w0, __m512& w1) {
   const __m512 centred = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
   const __m512 table = _mm512_mul_ps(_mm512_set1_ps(d), centred);
   const __m512i index = nibble_index(b.qs);
   w0 = _mm512_permutexvar_ps(index, table);
   w1 = _mm512_permutexvar_ps(_mm512_srli_epi32(index, 4), table);
 }
-inline void widen(const BlockQ4_1& b, float d, float m, __m512& w0, __m512& w1) {
+inline void scaled(const BlockQ4_1& b, float d, __m512& w0, __m512& w1) {
   const __m512 levels = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  // Explicit rounding: the compiler would fuse a plain multiply and add into one fma (one rounding).
-  constexpr int nearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
-  const __m512 table =
-      _mm512_add_round_ps(_mm512_mul_round_ps(_mm512_set1_ps(d), levels, nearest), _mm512_set1_ps(m), nearest);
+  const __m512 table = _mm512_mul_ps(_mm512_set1_ps(d), levels);
   const __m512i index = nibble_index(b.qs);
   w0 = _mm512_permutexvar_ps(index, table);
   w1 = _mm512_permutexvar_ps(_mm512_srli_epi32(index, 4), table);
 }
+// The whole dequantized weight d * q + m (two roundings, as engine/blocks.py computes it).
+template <typename B>
+inline void widen(const B& b, float d, float m, __m512& w0, __m512& w1) {
+  scaled(b, d, w0, w1);
+  if constexpr (std::is_same_v<B, BlockQ4_1>) {
+    w0 = _mm512_add_ps(w0, _mm512_set1_ps(m));
+    w1 = _mm512_add_ps(w1, _mm512_set1_ps(m));
+  }
+}
 
 constexpr int SCALES = 16;  // blocks whose f16 scales convert at once
+constexpr int CHUNK = 4 * SCALES;  // blocks whose scales convert ahead of their products
 
 // d (and m, for q4_1) of the n <= 16 blocks from w as f32: one gather of each block's first 4 bytes
 // and one conversion, where one block at a time would cost a scalar load, move and convert each.
@@ -172,18 +181,21 @@ inline void scales(const B* w, int n, float* d, float* m) {
 
 // The same product over rows of blocks: ldw blocks per weight row, K = 32 * ldw.
 template <int R, int M, typename B, std::enable_if_t<is_block<B>, int> = 0>
-void block(const B* w, int64_t ldw, const float* x, int64_t K, const float* scale, const float* bias, float* out,
-           int64_t ldo) {
+void block(const B* w, int64_t ldw, const float* x, int64_t K, const float* sums, const float* scale,
+           const float* bias, float* out, int64_t ldo) {
   __m512 acc[R][M];
   for (int i = 0; i < R; ++i)
     for (int j = 0; j < M; ++j) acc[i][j] = _mm512_setzero_ps();
   constexpr int LINE_BLOCKS = 64 / sizeof(B) >= 2 ? 2 : 1;  // one prefetch per cache line, about
-  alignas(64) float d[R][SCALES], m[R][SCALES];
-  for (int64_t b0 = 0; b0 < ldw; b0 += SCALES) {
-    const int n = static_cast<int>(std::min<int64_t>(SCALES, ldw - b0));
-    for (int i = 0; i < R; ++i) scales(w + i * ldw + b0, n, d[i], m[i]);
-    for (int k = 0; k < n; ++k) {
-      const int64_t b = b0 + k;
+  // The scales of a whole chunk of blocks convert before its products start: converted a group at a
+  // time, each group's products waited for its gather.
+  alignas(64) float d[R][CHUNK], m[R][CHUNK];
+  for (int64_t c0 = 0; c0 < ldw; c0 += CHUNK) {
+    const int chunk = static_cast<int>(std::min<int64_t>(CHUNK, ldw - c0));
+    for (int g = 0; g < chunk; g += SCALES)
+      for (int i = 0; i < R; ++i) scales(w + i * ldw + c0 + g, std::min(SCALES, chunk - g), d[i] + g, m[i] + g);
+    for (int k = 0; k < chunk; ++k) {
+      const int64_t b = c0 + k;
       __m512 x0[M], x1[M];
       for (int j = 0; j < M; ++j) {
         x0[j] = _mm512_loadu_ps(x + j * K + b * QK);
@@ -193,8 +205,21 @@ void block(const B* w, int64_t ldw, const float* x, int64_t K, const float* scal
         if (k % LINE_BLOCKS == 0)
           _mm_prefetch(reinterpret_cast<const char*>(w + (i + PREFETCH * R) * ldw + b), _MM_HINT_T0);
         __m512 w0, w1;
-        widen(w[i * ldw + b], d[i][k], m[i][k], w0, w1);
+        scaled(w[i * ldw + b], d[i][k], w0, w1);
         for (int j = 0; j < M; ++j) acc[i][j] = _mm512_fmadd_ps(w1, x1[j], _mm512_fmadd_ps(w0, x0[j], acc[i][j]));
+      }
+    }
+    // q4_1: sum_k (d q_k + m) x_k = sum_k d q_k x_k + m sum_k x_k, the minima of 16 blocks against
+    // the sums of x over those blocks in one multiply-add, where adding m to each weight took one
+    // operation per block. It regroups the sum, as a change of summation order would.
+    if constexpr (std::is_same_v<B, BlockQ4_1>) {
+      for (int g = 0; g < chunk; g += SCALES) {
+        const int n = std::min(SCALES, chunk - g);
+        const __mmask16 mask = n >= SCALES ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1);
+        for (int j = 0; j < M; ++j) {
+          const __m512 xs = _mm512_maskz_loadu_ps(mask, sums + j * ldw + c0 + g);
+          for (int i = 0; i < R; ++i) acc[i][j] = _mm512_fmadd_ps(_mm512_load_ps(m[i] + g), xs, acc[i][j]);
+        }
       }
     }
   }
@@ -214,8 +239,8 @@ inline float widen(at::BFloat16 v) { return static_cast<float>(v); }
 
 // Portable fallback, same contract: correct everywhere, fast where the compiler vectorizes it.
 template <int R, int M, typename W, std::enable_if_t<!is_block<W>, int> = 0>
-void block(const W* w, int64_t ldw, const float* x, int64_t K, const float* scale, const float* bias, float* out,
-           int64_t ldo) {
+void block(const W* w, int64_t ldw, const float* x, int64_t K, const float*, const float* scale, const float* bias,
+           float* out, int64_t ldo) {
   for (int i = 0; i < R; ++i)
     for (int j = 0; j < M; ++j) {
       float s = 0.f;
@@ -225,8 +250,8 @@ void block(const W* w, int64_t ldw, const float* x, int64_t K, const float* scal
 }
 
 template <int R, int M, typename B, std::enable_if_t<is_block<B>, int> = 0>
-void block(const B* w, int64_t ldw, const float* x, int64_t K, const float* scale, const float* bias, float* out,
-           int64_t ldo) {
+void block(const B* w, int64_t ldw, const float* x, int64_t K, const float*, const float* scale, const float* bias,
+           float* out, int64_t ldo) {
   float s[R][M] = {};
   float wb[QK];
   for (int64_t b = 0; b < ldw; ++b)
@@ -242,20 +267,20 @@ void block(const B* w, int64_t ldw, const float* x, int64_t K, const float* scal
 #endif
 
 template <int R, int MR, typename W>
-void rows_block(const W* w, int64_t ldw, const float* x, int64_t K, int64_t m, const float* scale, const float* bias,
-                float* out, int64_t ldo) {
+void rows_block(const W* w, int64_t ldw, const float* x, int64_t K, const float* sums, int64_t m, const float* scale,
+                const float* bias, float* out, int64_t ldo) {
   switch (m) {
-    case 1: return block<R, 1>(w, ldw, x, K, scale, bias, out, ldo);
-    case 2: return block<R, 2>(w, ldw, x, K, scale, bias, out, ldo);
-    case 3: return block<R, 3>(w, ldw, x, K, scale, bias, out, ldo);
-    case 4: return block<R, 4>(w, ldw, x, K, scale, bias, out, ldo);
+    case 1: return block<R, 1>(w, ldw, x, K, sums, scale, bias, out, ldo);
+    case 2: return block<R, 2>(w, ldw, x, K, sums, scale, bias, out, ldo);
+    case 3: return block<R, 3>(w, ldw, x, K, sums, scale, bias, out, ldo);
+    case 4: return block<R, 4>(w, ldw, x, K, sums, scale, bias, out, ldo);
   }
   if constexpr (MR > 4) {
     switch (m) {
-      case 5: return block<R, 5>(w, ldw, x, K, scale, bias, out, ldo);
-      case 6: return block<R, 6>(w, ldw, x, K, scale, bias, out, ldo);
-      case 7: return block<R, 7>(w, ldw, x, K, scale, bias, out, ldo);
-      default: return block<R, 8>(w, ldw, x, K, scale, bias, out, ldo);
+      case 5: return block<R, 5>(w, ldw, x, K, sums, scale, bias, out, ldo);
+      case 6: return block<R, 6>(w, ldw, x, K, sums, scale, bias, out, ldo);
+      case 7: return block<R, 7>(w, ldw, x, K, sums, scale, bias, out, ldo);
+      default: return block<R, 8>(w, ldw, x, K, sums, scale, bias, out, ldo);
     }
   }
 }
@@ -265,8 +290,8 @@ inline const float* at(const float* p, int64_t n) { return p ? p + n : nullptr; 
 // NR output channels against MR rows of x per tile, each weight widened once per tile; ldw: a weight
 // row's length in W (K, or K / 32 blocks).
 template <int64_t NR, int64_t MR, typename W>
-void tiles(const W* w, int64_t ldw, const float* x, int64_t M, int64_t N, int64_t K, const float* scale,
-           const float* bias, float* out) {
+void tiles(const W* w, int64_t ldw, const float* x, int64_t M, int64_t N, int64_t K, const float* sums,
+           const float* scale, const float* bias, float* out) {
   const int64_t blocks = (N + NR - 1) / NR;
   // Each thread streams a contiguous run of output channels; small matrices stay on one thread.
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / (K * NR));
@@ -278,10 +303,10 @@ void tiles(const W* w, int64_t ldw, const float* x, int64_t M, int64_t N, int64_
         const float* xm = x + m0 * K;
         float* om = out + m0 * N + n0;
         if (n0 + NR <= N) {
-          rows_block<NR, MR>(w + n0 * ldw, ldw, xm, K, m, at(scale, n0), at(bias, n0), om, N);
+          rows_block<NR, MR>(w + n0 * ldw, ldw, xm, K, at(sums, m0 * ldw), m, at(scale, n0), at(bias, n0), om, N);
         } else {
           for (int64_t n = n0; n < N; ++n)
-            rows_block<1, MR>(w + n * ldw, ldw, xm, K, m, at(scale, n), at(bias, n), om + (n - n0), N);
+            rows_block<1, MR>(w + n * ldw, ldw, xm, K, at(sums, m0 * ldw), m, at(scale, n), at(bias, n), om + (n - n0), N);
         }
       }
     }
@@ -294,8 +319,22 @@ void tiles(const W* w, int64_t ldw, const float* x, int64_t M, int64_t N, int64_
 template <typename W>
 void run(const W* w, int64_t ldw, const float* x, int64_t M, int64_t N, int64_t K, const float* scale,
          const float* bias, float* out) {
-  if (M <= 4) return tiles<4, 4>(w, ldw, x, M, N, K, scale, bias, out);
-  tiles<2, 8>(w, ldw, x, M, N, K, scale, bias, out);
+  // q4_1's block() wants each row's sum over each block of x [M, ldw]: computed once here, where
+  // every tile of output channels would otherwise recompute it. The buffer outlives the call, so a
+  // decode step allocates nothing.
+  thread_local std::vector<float> sums;
+  const float* sp = nullptr;
+  if constexpr (std::is_same_v<W, BlockQ4_1>) {
+    sums.resize(M * ldw);
+    for (int64_t r = 0; r < M * ldw; ++r) {
+      float t = 0.f;
+      for (int k = 0; k < QK; ++k) t += x[r * QK + k];
+      sums[r] = t;
+    }
+    sp = sums.data();
+  }
+  if (M <= 4) return tiles<4, 4>(w, ldw, x, M, N, K, sp, scale, bias, out);
+  tiles<2, 8>(w, ldw, x, M, N, K, sp, scale, bias, out);
 }
 
 // The bytes per block of a uint8 weight [N, K / 32 * bytes] read against K input features: the

@@ -43,10 +43,11 @@ def test_linear_rows_matches_matmul(dtype, rows, k):
 
 @pytest.mark.parametrize("fmt", blocks.FORMATS)
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 13, 16])
-@pytest.mark.parametrize("k", [32, 96, 160, 576])
+@pytest.mark.parametrize("k", [32, 96, 160, 576, 2080])  # 2080: 65 blocks, past a chunk of scales
 def test_block_linear_rows_matches_dequantize_then_matmul(fmt, rows, k):
-    # A block weight widens in registers to the f32 numbers engine.blocks.dequantize gives: the
-    # product is torch's f32 one on the dequantized matrix, up to summation order.
+    # A block weight widens in registers to the f32 numbers d * q engine.blocks.dequantize gives (a
+    # q4_1 block's minimum m multiplies the block's sum of x apart): the product is torch's f32 one
+    # on the dequantized matrix, up to the order and grouping of the sum.
     torch.manual_seed(rows * 1000 + k)
     n = 37  # not a multiple of the kernel's 4-channel blocks
     data = blocks.quantize(torch.randn(n, k), fmt)
