@@ -1,0 +1,109 @@
+"""`python -m bench.step`: where one decode step's time goes, per weight format.
+
+    python -m bench.step [-m default] [--dtypes int8 auto] [--context 128] [--reps 40] [-t 2]
+
+For each format it loads the engine, measures its decode step on bench.formats' TG workload, and
+times the step's parts alone on the model's own weights and cache, one row as at batch 1: each kind
+of linear layer over all layers, attention over --context cached positions, the decoder layers as
+the engine runs them (one kernel call), and the lm_head. What the step takes beyond the layers and
+the lm_head is the embedding, the final norm, sampling, scheduling and Python. Parts are medians of
+--reps calls, the formats alternating call by call, so that the shared host's drift hits them alike;
+bytes are the weights a part reads once per token.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from engine import kernels
+from engine.quant import DTYPES, Linear
+from engine.tokenizer import Tokenizer
+from engine.weights import open_model
+
+from .formats import TandemSystem, tg_prompts
+
+LINEARS = {"qkv": ("self_attn", "qkv_proj"), "o": ("self_attn", "o_proj"),
+           "gate_up": ("mlp", "gate_up_proj"), "down": ("mlp", "down_proj")}
+
+
+def weight_bytes(layer: Linear) -> int:
+    return sum(t.numel() * t.element_size() for t in (layer.weight, layer.scale, layer.bias) if t is not None)
+
+
+def step_parts(system: TandemSystem, context: int) -> dict[str, tuple[Callable[[], object], int]]:
+    """name -> (one call of that part for one token, the weight bytes it reads)."""
+    model, cache = system.engine.model, system.engine.cache
+    layers = model.layers
+    a = layers[0].self_attn
+    parts = {}
+    for name, (block, attr) in LINEARS.items():
+        linears = [getattr(getattr(layer, block), attr) for layer in layers]
+        x = torch.randn(1, linears[0].cols)
+        parts[f"linear {name}"] = ((lambda ls=linears, x=x: [kernels.linear_rows(x, l.weight, l.scale, l.bias)
+                                                             for l in ls]),
+                                   sum(weight_bytes(l) for l in linears))
+    q = torch.randn(1, a.heads, a.head_dim)
+    slots, lengths = torch.zeros(1, dtype=torch.long), torch.full((1,), context, dtype=torch.long)
+    parts["attention"] = (lambda: [kernels.decode_attention(q, cache.k[layer.index], cache.v[layer.index], slots,
+                                                            lengths, a.head_dim ** -0.5) for layer in layers], 0)
+    hidden = torch.randn(1, model.config.hidden_size)
+    cos, sin = torch.ones(1, a.head_dim), torch.zeros(1, a.head_dim)
+    positions = torch.full((1,), context, dtype=torch.long)
+    weights = [w for layer in layers for w in layer.kernel_weights]
+    specs = [layer.self_attn.spec for layer in layers]
+    parts["decoder layers (one call)"] = (
+        lambda: kernels.decoder_layers(hidden, weights, [cache.k[l.index] for l in layers],
+                                       [cache.v[l.index] for l in layers], [cache.kpool[l.index] for l in layers],
+                                       [s.ratio for s in specs], [s.budget for s in specs], slots, positions, cos,
+                                       sin, a.heads, a.kv_heads, layers[0].input_layernorm.eps),
+        sum(weight_bytes(getattr(getattr(l, b), n)) for l in layers for b, n in LINEARS.values()))
+    parts["lm_head"] = ((lambda: model.lm_head(hidden)), weight_bytes(model.lm_head))
+    return parts
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.step", description=__doc__.split("\n\n")[0])
+    p.add_argument("-m", "--model", default="default")
+    p.add_argument("--dtypes", nargs="+", choices=DTYPES, default=["int8", "auto"])
+    p.add_argument("--context", type=int, default=128, help="cached positions the attention reads")
+    p.add_argument("--reps", type=int, default=40)
+    p.add_argument("--tg", type=int, default=128, help="tokens of the measured decode steps")
+    p.add_argument("-t", "--threads", type=int)
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    systems = [TandemSystem(args.model, dtype, max(2048, args.context + 1)) for dtype in args.dtypes]
+    prompt = tg_prompts(Tokenizer.load(open_model(args.model)), None)[0]
+    steps: dict[str, list[float]] = {s.name: [] for s in systems}
+    for _ in range(3):
+        for s in systems:
+            s.tg(prompt, args.tg)
+            steps[s.name].append(s.last[0])
+    parts = {s.name: step_parts(s, args.context) for s in systems}
+    times: dict[tuple[str, str], list[float]] = {}
+    with torch.inference_mode():
+        for _ in range(args.reps):
+            for s in systems:
+                for part, (call, _) in parts[s.name].items():
+                    t0 = time.perf_counter()
+                    call()
+                    times.setdefault((s.name, part), []).append(1000 * (time.perf_counter() - t0))
+    for s in systems:
+        step = statistics.median(steps[s.name])
+        ms = {part: statistics.median(times[s.name, part]) for part in parts[s.name]}
+        print(f"\n{s.name}: decode step {step:.2f} ms ({1000 / step:.1f} tok/s), median of 3 TG runs")
+        print(f"{'part':28s} {'ms':>7s} {'of step':>8s} {'MB':>8s} {'GB/s':>6s}")
+        for part, (_, nbytes) in parts[s.name].items():
+            rate = f"{nbytes / ms[part] / 1e6:6.1f}" if nbytes else ""
+            print(f"{part:28s} {ms[part]:7.2f} {ms[part] / step:8.0%} {nbytes / 1e6:8.3f} {rate:>6s}")
+        rest = step - ms["decoder layers (one call)"] - ms["lm_head"]
+        print(f"{'rest of the step':28s} {rest:7.2f} {rest / step:8.0%}   (embedding, final norm, sampling, Python)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

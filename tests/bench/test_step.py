@@ -1,0 +1,33 @@
+"""bench.step splits a decode step into its parts, per weight format, on the model's own weights."""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from bench.step import main
+from engine.tiny import write_tiny_model
+
+
+def test_step_profile_gives_each_part_its_time_and_weight_bytes(tmp_path, capsys):
+    config = json.loads((Path(__file__).resolve().parents[2] / "configs/tiny/llama.json").read_text())
+    model = write_tiny_model(config, tmp_path, seed=0)
+    assert main(["-m", str(model), "--dtypes", "int8", "q4_1", "--reps", "3", "--tg", "8", "--context", "16",
+                 "-t", "1"]) == 0
+    out = capsys.readouterr().out
+    sections = dict(re.findall(r"^tandem (\w+): decode step [\d.]+ ms.*?\n(.*?)(?=\n\n|\Z)", out, re.M | re.S))
+    assert set(sections) == {"int8", "q4_1"}
+    mb = {}
+    for fmt, text in sections.items():
+        rows = {m[1].strip(): (float(m[2]), float(m[3])) for m in
+                re.finditer(r"^(linear \w+|attention|decoder layers \(one call\)|lm_head)\s+([\d.]+)\s+\d+%\s+([\d.]+)",
+                            text, re.M)}
+        assert set(rows) == {"linear qkv", "linear o", "linear gate_up", "linear down", "attention",
+                             "decoder layers (one call)", "lm_head"}
+        assert all(ms > 0 for ms, _ in rows.values())
+        # The layers' call reads what the four kinds of linear layer hold, and attention no weights.
+        kinds = sum(mb for part, (_, mb) in rows.items() if part.startswith("linear"))
+        assert abs(rows["decoder layers (one call)"][1] - kinds) < 0.003 and rows["attention"][1] == 0
+        mb[fmt] = kinds
+        assert re.search(r"^rest of the step\s+-?[\d.]+", text, re.M)
+    assert mb["q4_1"] < mb["int8"]
