@@ -15,7 +15,12 @@
 
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 #include <vector>
+
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -78,6 +83,108 @@ void attend(const T* q, const T* k, const T* v, T* out, const int64_t* slots, co
   });
 }
 
+#ifdef __AVX512F__
+
+// Lane i of the result: the sum of v[i]'s 16 lanes. Sixteen dot products finish in 45 operations,
+// where reducing each on its own took about 8 apiece and left 16 scalars to gather.
+inline __m512 sums16(const __m512 (&v)[16]) {
+  __m512 t[8], u[4], w[2];
+  for (int k = 0; k < 8; ++k)  // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3]
+    t[k] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * k], v[2 * k + 1]), _mm512_unpackhi_ps(v[2 * k], v[2 * k + 1]));
+  for (int k = 0; k < 4; ++k)  // per 128-bit lane: the lane's sums of v[4k .. 4k+3]
+    u[k] = _mm512_add_ps(_mm512_shuffle_ps(t[2 * k], t[2 * k + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(t[2 * k], t[2 * k + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  for (int k = 0; k < 2; ++k)
+    w[k] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * k], u[2 * k + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(u[2 * k], u[2 * k + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(w[0], w[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// One query head (q: NC vectors of 16, already scaled) against keys 0 .. L-1 -> scores[0 .. L-1].
+template <int NC>
+inline void head_scores(const __m512 (&q)[NC], const float* k, int64_t L, float* scores) {
+  constexpr int64_t D = 16 * NC;
+  int64_t l = 0;
+  for (; l + 16 <= L; l += 16) {
+    __m512 dots[16];
+    for (int j = 0; j < 16; ++j) {
+      const float* kl = k + (l + j) * D;
+      prefetch_row(kl + PREFETCH_ROWS * D, D);
+      __m512 d = _mm512_mul_ps(q[0], _mm512_loadu_ps(kl));
+      for (int c = 1; c < NC; ++c) d = _mm512_fmadd_ps(q[c], _mm512_loadu_ps(kl + 16 * c), d);
+      dots[j] = d;
+    }
+    _mm512_storeu_ps(scores + l, sums16(dots));
+  }
+  for (; l < L; ++l) {
+    const float* kl = k + l * D;
+    __m512 d = _mm512_mul_ps(q[0], _mm512_loadu_ps(kl));
+    for (int c = 1; c < NC; ++c) d = _mm512_fmadd_ps(q[c], _mm512_loadu_ps(kl + 16 * c), d);
+    scores[l] = _mm512_reduce_add_ps(d);
+  }
+}
+
+// attend() for f32 caches and head_dim = 16 * NC, a query head at a time: its query and its output
+// stay in registers, and its keys and values come from cache (a kv head's L rows were just read by
+// the group's previous head). A row's result depends only on its own query and length, as in
+// attend(), so a verify row equals the decode row it stands for.
+template <int NC>
+void attend_f32(const float* q, const float* k, const float* v, float* out, const int64_t* slots,
+                const int64_t* lengths, int64_t R, int64_t H, int64_t KVH, int64_t slot_stride, int64_t kv_head_stride,
+                float scale) {
+  constexpr int64_t D = 16 * NC;
+  const int64_t group = H / KVH, max_len = *std::max_element(lengths, lengths + R);
+  const int64_t grain = std::max<int64_t>(1, 65536 / (max_len * D * group));
+  at::parallel_for(0, R * KVH, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(max_len);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t r = item / KVH, g = item % KVH, L = lengths[r];
+      const float* kh = k + slots[r] * slot_stride + g * kv_head_stride;
+      const float* vh = v + slots[r] * slot_stride + g * kv_head_stride;
+      for (int64_t j = 0; j < group; ++j) {
+        const int64_t h = r * H + g * group + j;
+        __m512 qv[NC], acc[NC];
+        for (int c = 0; c < NC; ++c) {
+          qv[c] = _mm512_mul_ps(_mm512_loadu_ps(q + h * D + 16 * c), _mm512_set1_ps(scale));
+          acc[c] = _mm512_setzero_ps();
+        }
+        float* sj = scores.data();
+        head_scores<NC>(qv, kh, L, sj);
+        const float top = *std::max_element(sj, sj + L);
+        float total = 0.f;
+        for (int64_t l = 0; l < L; ++l) total += sj[l] = std::exp(sj[l] - top);
+        for (int64_t l = 0; l < L; ++l) sj[l] /= total;
+        for (int64_t l = 0; l < L; ++l) {
+          const float* vl = vh + l * D;
+          prefetch_row(vl + PREFETCH_ROWS * D, D);
+          const __m512 pl = _mm512_set1_ps(sj[l]);
+          for (int c = 0; c < NC; ++c) acc[c] = _mm512_fmadd_ps(pl, _mm512_loadu_ps(vl + 16 * c), acc[c]);
+        }
+        for (int c = 0; c < NC; ++c) _mm512_storeu_ps(out + h * D + 16 * c, acc[c]);
+      }
+    }
+  });
+}
+
+// The head dims the f32 path is compiled for; others take attend().
+template <typename F>
+bool with_chunks(int64_t D, F&& f) {
+  switch (D) {
+    case 16: f(std::integral_constant<int, 1>{}); return true;
+    case 32: f(std::integral_constant<int, 2>{}); return true;
+    case 64: f(std::integral_constant<int, 4>{}); return true;
+    case 80: f(std::integral_constant<int, 5>{}); return true;
+    case 96: f(std::integral_constant<int, 6>{}); return true;
+    case 128: f(std::integral_constant<int, 8>{}); return true;
+    case 160: f(std::integral_constant<int, 10>{}); return true;
+    case 256: f(std::integral_constant<int, 16>{}); return true;
+  }
+  return false;
+}
+
+#endif
+
 }  // namespace
 
 namespace tandem {
@@ -102,6 +209,15 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   const at::Tensor qc = q.contiguous();
   at::Tensor out = at::empty_like(qc);
   if (R == 0) return out;
+#ifdef __AVX512F__
+  if (q.scalar_type() == at::kFloat &&
+      with_chunks(D, [&](auto nc) {
+        attend_f32<decltype(nc)::value>(qc.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(),
+                                        out.data_ptr<float>(), sp, np, R, H, KVH, k.stride(0), k.stride(1),
+                                        static_cast<float>(scale));
+      }))
+    return out;
+#endif
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "decode_attention", [&] {
     attend(qc.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), sp, np,
            R, H, KVH, D, k.stride(0), k.stride(1), static_cast<float>(scale));

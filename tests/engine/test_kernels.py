@@ -112,8 +112,9 @@ def test_rope_in_place_on_a_strided_view(dtype, tol):
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("heads, kv_heads", [(9, 3), (16, 8), (4, 4)])
-def test_decode_attention_matches_sdpa_row_by_row(heads, kv_heads, dtype, tol):
-    d, slots, ctx = 64, 4, 1600
+@pytest.mark.parametrize("d", [64, 160, 48])  # 48: a head size the f32 path is not compiled for
+def test_decode_attention_matches_sdpa_row_by_row(heads, kv_heads, dtype, tol, d):
+    slots, ctx = 4, 1600
     cache_k, cache_v = torch.randn(slots, kv_heads, ctx, d).to(dtype), torch.randn(slots, kv_heads, ctx, d).to(dtype)
     rows_slot, rows_len = torch.tensor([2, 0, 3, 1]), torch.tensor([1, 200, 37, 1500])
     q = torch.randn(4, heads, d).to(dtype)
@@ -122,6 +123,18 @@ def test_decode_attention_matches_sdpa_row_by_row(heads, kv_heads, dtype, tol):
         k, v = cache_k[s, :, :n].float(), cache_v[s, :, :n].float()
         ref = F.scaled_dot_product_attention(q[r].float().view(kv_heads, heads // kv_heads, 1, d), k[:, None], v[:, None])
         torch.testing.assert_close(out[r].float(), ref.reshape(heads, d), rtol=0, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_verify_row_attends_with_the_same_bits_as_the_decode_row_it_stands_for(dtype):
+    torch.manual_seed(3)
+    cache_k, cache_v = torch.randn(2, 3, 300, 64).to(dtype), torch.randn(2, 3, 300, 64).to(dtype)
+    q = torch.randn(5, 9, 64).to(dtype)
+    slots, lengths = torch.tensor([1, 1, 1, 1, 0]), torch.tensor([150, 151, 152, 153, 17])
+    together = kernels.decode_attention(q, cache_k, cache_v, slots, lengths, 0.125)
+    for r in range(5):
+        alone = kernels.decode_attention(q[r:r + 1], cache_k, cache_v, slots[r:r + 1], lengths[r:r + 1], 0.125)
+        assert torch.equal(together[r], alone[0]), r
 
 
 def test_decode_attention_refuses_a_row_outside_the_cache():
