@@ -12,10 +12,11 @@ from server.state import ServerSettings
 
 def _spec(f: ServerFlags) -> SpecConfig | None:
     """--spec-type as given (none: off). Without it the default model, the product, speculates with
-    draft-mtp and its shipped draft (or -md's file); another model does not, and -md alone does not
-    turn speculation on."""
+    draft-mtp-ngram and its shipped draft (or -md's file): on open chat it paid 1.34x and 1.40x plain
+    f32 where draft-mtp paid 1.19x and 1.30x (docs/benchmarks.md). Another model does not speculate
+    unasked, and -md alone does not turn speculation on."""
     if f.spec_type is None and f.model == "default":
-        kind, draft = "draft-mtp", f.spec_draft_model or "default"
+        kind, draft = "draft-mtp-ngram", f.spec_draft_model or "default"
     elif f.spec_type is None or f.spec_type == SPEC_NONE:
         return None
     else:

@@ -77,7 +77,7 @@ def test_the_default_model_serves_the_product_speculating_on_four_unified_slots(
     engine, _ = parse([])
     assert (engine.model, engine.dtype, engine.parallel, engine.kv_unified) == ("default", "f32", AUTO_PARALLEL, True)
     assert engine.ctx_per_slot == engine.ctx_size  # each request may still use the whole context
-    assert (engine.spec.type, engine.spec.draft_model) == ("draft-mtp", str(DEFAULT_DRAFT))
+    assert (engine.spec.type, engine.spec.draft_model) == ("draft-mtp-ngram", str(DEFAULT_DRAFT))
     assert engine.spec.max_batch == 1  # drafts only while one request decodes: more rows cost more on a CPU
     assert parse(["-m", "default"])[0] == engine
     assert parse(["--spec-max-batch", "0"])[0].spec.max_batch == 0
@@ -92,14 +92,14 @@ def test_spec_type_none_and_another_model_without_spec_type_do_not_speculate(arg
     assert parse(argv)[0].spec is None
 
 
-@pytest.mark.parametrize("argv,draft", [
-    (["-m", "x", "--spec-type", "mtp", "-md", "default"], str(DEFAULT_DRAFT)),
-    (["--spec-type", "draft-mtp", "-md", "default"], str(DEFAULT_DRAFT)),
-    (["-md", "other.safetensors"], "other.safetensors"),  # the default model's implied draft-mtp, -md's file
+@pytest.mark.parametrize("argv,kind,draft", [
+    (["-m", "x", "--spec-type", "mtp", "-md", "default"], "draft-mtp", str(DEFAULT_DRAFT)),
+    (["--spec-type", "draft-mtp", "-md", "default"], "draft-mtp", str(DEFAULT_DRAFT)),
+    (["-md", "other.safetensors"], "draft-mtp-ngram", "other.safetensors"),  # the default model's own drafter
 ])
-def test_md_default_names_the_shipped_draft(argv, draft):
+def test_md_default_names_the_shipped_draft(argv, kind, draft):
     spec = parse(argv)[0].spec
-    assert (spec.type, spec.draft_model) == ("draft-mtp", draft)
+    assert (spec.type, spec.draft_model) == (kind, draft)
 
 
 @pytest.mark.parametrize("argv,slots,unified", [(["-np", "2"], 2, False), (["-np", "2", "--kv-unified"], 2, True),
