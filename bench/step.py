@@ -8,7 +8,10 @@ of linear layer over all layers, attention over --context cached positions, the 
 the engine runs them (one kernel call), and the lm_head. What the step takes beyond the layers and
 the lm_head is the embedding, the final norm, sampling, scheduling and Python. Parts are medians of
 --reps calls, the formats alternating call by call, so that the shared host's drift hits them alike;
-bytes are the weights a part reads once per token.
+bytes are the weights a part reads once per token. A part timed per layer from Python (a kind of
+linear layer, attention) includes a torch op dispatch per layer, a few microseconds each, which the
+layers' one call does not pay; the step comes from separate TG runs, so on a drifting host the rest
+can even come out negative: compare formats within one run.
 """
 from __future__ import annotations
 
