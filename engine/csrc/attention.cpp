@@ -160,39 +160,38 @@ inline void head_scores(const __m512 (&q)[NC], const float* k, int64_t L, float*
 
 // attend() for f32 caches and head_dim = 16 * NC, a query head at a time: its query and its output
 // stay in registers, and its keys and values come from cache (a kv head's L rows were just read by
-// the group's previous head). A row's result depends only on its own query and length, as in
-// attend(), so a verify row equals the decode row it stands for.
+// the group's previous head). A work item is one (row, query head), not a (row, kv head): a decode
+// row of 3 kv heads gave two threads 3 items, one thread idle a third of the time. A row's result
+// depends only on its own query and length, as in attend(), so a verify row equals the decode row
+// it stands for.
 template <int NC>
 void attend_f32(const float* q, const float* k, const float* v, float* out, const int64_t* slots,
                 const int64_t* lengths, int64_t R, int64_t H, int64_t KVH, int64_t slot_stride, int64_t kv_head_stride,
                 float scale) {
   constexpr int64_t D = 16 * NC;
   const int64_t group = H / KVH, max_len = *std::max_element(lengths, lengths + R);
-  const int64_t grain = std::max<int64_t>(1, 65536 / (max_len * D * group));
-  at::parallel_for(0, R * KVH, grain, [&](int64_t begin, int64_t end) {
+  const int64_t grain = std::max<int64_t>(1, 65536 / (max_len * D));
+  at::parallel_for(0, R * H, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(max_len);
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t r = item / KVH, g = item % KVH, L = lengths[r];
+    for (int64_t h = begin; h < end; ++h) {  // h: row r's query head h % H, of kv head (h % H) / group
+      const int64_t r = h / H, g = h % H / group, L = lengths[r];
       const float* kh = k + slots[r] * slot_stride + g * kv_head_stride;
       const float* vh = v + slots[r] * slot_stride + g * kv_head_stride;
-      for (int64_t j = 0; j < group; ++j) {
-        const int64_t h = r * H + g * group + j;
-        __m512 qv[NC], acc[NC];
-        for (int c = 0; c < NC; ++c) {
-          qv[c] = _mm512_mul_ps(_mm512_loadu_ps(q + h * D + 16 * c), _mm512_set1_ps(scale));
-          acc[c] = _mm512_setzero_ps();
-        }
-        float* sj = scores.data();
-        head_scores<NC>(qv, kh, L, sj);
-        softmax(sj, L);
-        for (int64_t l = 0; l < L; ++l) {
-          const float* vl = vh + l * D;
-          prefetch_row(vl + PREFETCH_ROWS * D, D);
-          const __m512 pl = _mm512_set1_ps(sj[l]);
-          for (int c = 0; c < NC; ++c) acc[c] = _mm512_fmadd_ps(pl, _mm512_loadu_ps(vl + 16 * c), acc[c]);
-        }
-        for (int c = 0; c < NC; ++c) _mm512_storeu_ps(out + h * D + 16 * c, acc[c]);
+      __m512 qv[NC], acc[NC];
+      for (int c = 0; c < NC; ++c) {
+        qv[c] = _mm512_mul_ps(_mm512_loadu_ps(q + h * D + 16 * c), _mm512_set1_ps(scale));
+        acc[c] = _mm512_setzero_ps();
       }
+      float* sh = scores.data();
+      head_scores<NC>(qv, kh, L, sh);
+      softmax(sh, L);
+      for (int64_t l = 0; l < L; ++l) {
+        const float* vl = vh + l * D;
+        prefetch_row(vl + PREFETCH_ROWS * D, D);
+        const __m512 pl = _mm512_set1_ps(sh[l]);
+        for (int c = 0; c < NC; ++c) acc[c] = _mm512_fmadd_ps(pl, _mm512_loadu_ps(vl + 16 * c), acc[c]);
+      }
+      for (int c = 0; c < NC; ++c) _mm512_storeu_ps(out + h * D + 16 * c, acc[c]);
     }
   });
 }
