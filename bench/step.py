@@ -23,6 +23,8 @@ from collections.abc import Callable
 import torch
 
 from engine import kernels
+from engine.batch import ForwardBatch, Row
+from engine.model import fused_layers
 from engine.quant import DTYPES, Linear
 from engine.tokenizer import Tokenizer
 from engine.weights import open_model
@@ -55,14 +57,12 @@ def step_parts(system: TandemSystem, context: int) -> dict[str, tuple[Callable[[
                                                             lengths, a.head_dim ** -0.5) for layer in layers], 0)
     hidden = torch.randn(1, model.config.hidden_size)
     cos, sin = torch.ones(1, a.head_dim), torch.zeros(1, a.head_dim)
-    positions = torch.full((1,), context, dtype=torch.long)
-    weights = [w for layer in layers for w in layer.kernel_weights]
-    specs = [layer.self_attn.spec for layer in layers]
+    batch = ForwardBatch.build([Row(0, context, [0])])  # one decode token of slot 0 at position `context`
+    with torch.inference_mode():
+        if fused_layers(layers, hidden, batch, cos, sin, cache) is None:
+            raise RuntimeError("this model's decode step does not take the one-call layer kernel")
     parts["decoder layers (one call)"] = (
-        lambda: kernels.decoder_layers(hidden, weights, [cache.k[l.index] for l in layers],
-                                       [cache.v[l.index] for l in layers], [cache.kpool[l.index] for l in layers],
-                                       [s.ratio for s in specs], [s.budget for s in specs], slots, positions, cos,
-                                       sin, a.heads, a.kv_heads, layers[0].input_layernorm.eps),
+        (lambda: fused_layers(layers, hidden, batch, cos, sin, cache)),
         sum(weight_bytes(getattr(getattr(l, b), n)) for l in layers for b, n in LINEARS.values()))
     parts["lm_head"] = ((lambda: model.lm_head(hidden)), weight_bytes(model.lm_head))
     return parts
