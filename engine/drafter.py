@@ -213,18 +213,19 @@ class CachedDrafter(ABC):
         hidden = torch.cat(hiddens) if hiddens[0] is not None else None
         # The head runs only at the last catch-up token of a request that drafts: a prompt chunk's
         # rows, and those of a request with no room to draft, only fill the cache.
-        drafting = []  # (span, the position its first draft token goes to, its last token in the batch)
+        # (span, its draft limit, the position its first draft token goes to, its last token in the batch)
+        drafting = []
         for span, row, end in zip(spans, rows, itertools.accumulate(len(row.tokens) for row in rows)):
-            if not span.request.prefilling and min(span.request.draft_limits.n_max, span.room) > 0:
-                drafting.append((span, row.start + len(row.tokens), end - 1))
-        last = torch.tensor([d[2] for d in drafting], dtype=torch.long)
+            limit = min(span.request.draft_limits.n_max, span.room)
+            if not span.request.prefilling and limit > 0:
+                drafting.append((span, limit, row.start + len(row.tokens), end - 1))
+        last = torch.tensor([d[3] for d in drafting], dtype=torch.long)
         state, logits = self.run(1, list(rows), hidden, last)
         state = state[last.to(state.device)] if state is not None else None
         drafts = {}
         active = []  # [request, tokens, qs, limit, position of the next draft row, its row in state and logits]
-        for j, (span, position, _) in enumerate(drafting):
+        for j, (span, limit, position, _) in enumerate(drafting):
             req = span.request
-            limit = min(req.draft_limits.n_max, span.room)
             chosen = override(span, logits[j], limit) if override is not None else None
             if chosen is not None:
                 drafts[req] = chosen
