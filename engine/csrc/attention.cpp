@@ -134,6 +134,14 @@ inline void softmax(float* s, int64_t L) {
   _mm512_mask_storeu_ps(s + l, tail, _mm512_mul_ps(_mm512_maskz_loadu_ps(tail, s + l), inverse));
 }
 
+// q . key as 16 partial sums, their total the score: q is NC vectors of 16, key a row of 16 * NC.
+template <int NC>
+inline __m512 partial_dot(const __m512 (&q)[NC], const float* key) {
+  __m512 d = _mm512_mul_ps(q[0], _mm512_loadu_ps(key));
+  for (int c = 1; c < NC; ++c) d = _mm512_fmadd_ps(q[c], _mm512_loadu_ps(key + 16 * c), d);
+  return d;
+}
+
 // One query head (q: NC vectors of 16, already scaled) against keys 0 .. L-1 -> scores[0 .. L-1].
 template <int NC>
 inline void head_scores(const __m512 (&q)[NC], const float* k, int64_t L, float* scores) {
@@ -142,20 +150,12 @@ inline void head_scores(const __m512 (&q)[NC], const float* k, int64_t L, float*
   for (; l + 16 <= L; l += 16) {
     __m512 dots[16];
     for (int j = 0; j < 16; ++j) {
-      const float* kl = k + (l + j) * D;
-      prefetch_row(kl + PREFETCH_ROWS * D, D);
-      __m512 d = _mm512_mul_ps(q[0], _mm512_loadu_ps(kl));
-      for (int c = 1; c < NC; ++c) d = _mm512_fmadd_ps(q[c], _mm512_loadu_ps(kl + 16 * c), d);
-      dots[j] = d;
+      prefetch_row(k + (l + j + PREFETCH_ROWS) * D, D);
+      dots[j] = partial_dot(q, k + (l + j) * D);
     }
     _mm512_storeu_ps(scores + l, sums16(dots));
   }
-  for (; l < L; ++l) {
-    const float* kl = k + l * D;
-    __m512 d = _mm512_mul_ps(q[0], _mm512_loadu_ps(kl));
-    for (int c = 1; c < NC; ++c) d = _mm512_fmadd_ps(q[c], _mm512_loadu_ps(kl + 16 * c), d);
-    scores[l] = _mm512_reduce_add_ps(d);
-  }
+  for (; l < L; ++l) scores[l] = _mm512_reduce_add_ps(partial_dot(q, k + l * D));
 }
 
 // attend() for f32 caches and head_dim = 16 * NC, a query head at a time: its query and its output

@@ -78,6 +78,9 @@ inline float epilogue(float v, const float* scale, const float* bias, int i) {
 
 #ifdef __AVX512F__
 
+// The first n of 16 lanes (all 16 for n >= 16): a row's last, partial vector.
+inline __mmask16 first_lanes(int64_t n) { return n >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1); }
+
 // 16 consecutive weights as f32; `mask` selects the first K % 16 at the end of a row.
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const float* p, __mmask16 mask) { return _mm512_maskz_loadu_ps(mask, p); }
@@ -120,7 +123,7 @@ void block(const W* w, int64_t ldw, const float* x, int64_t K, const float*, con
     for (int v = 0; v < V; ++v) step(k + 16 * v, [](auto p) { return load16(p); });
   }
   for (; k < K; k += 16) {
-    const __mmask16 mask = K - k >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (K - k)) - 1);
+    const __mmask16 mask = first_lanes(K - k);
     step(k, [mask](auto p) { return load16(p, mask); });
   }
   for (int i = 0; i < R; ++i)
@@ -173,7 +176,7 @@ template <typename B>
 inline void scales(const B* w, int n, float* d, float* m) {
   const __m512i offsets = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
                                              _mm512_set1_epi32(sizeof(B)));
-  const __mmask16 mask = n >= SCALES ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1);
+  const __mmask16 mask = first_lanes(n);
   const __m512i first = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), mask, offsets, w, 1);
   _mm512_storeu_ps(d, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(first)));
   if (std::is_same_v<B, BlockQ4_1>) _mm512_storeu_ps(m, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(first, 16))));
@@ -214,8 +217,7 @@ void block(const B* w, int64_t ldw, const float* x, int64_t K, const float* sums
     // operation per block. It regroups the sum, as a change of summation order would.
     if constexpr (std::is_same_v<B, BlockQ4_1>) {
       for (int g = 0; g < chunk; g += SCALES) {
-        const int n = std::min(SCALES, chunk - g);
-        const __mmask16 mask = n >= SCALES ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1);
+        const __mmask16 mask = first_lanes(chunk - g);
         for (int j = 0; j < M; ++j) {
           const __m512 xs = _mm512_maskz_loadu_ps(mask, sums + j * ldw + c0 + g);
           for (int i = 0; i < R; ++i) acc[i][j] = _mm512_fmadd_ps(_mm512_load_ps(m[i] + g), xs, acc[i][j]);
@@ -322,8 +324,9 @@ void run(const W* w, int64_t ldw, const float* x, int64_t M, int64_t N, int64_t 
   // q4_1's block() wants each row's sum over each block of x [M, ldw]: computed once here, where
   // every tile of output channels would otherwise recompute it. The buffer outlives the call, so a
   // decode step allocates nothing.
-  thread_local std::vector<float> sums;
   const float* sp = nullptr;
+#ifdef __AVX512F__  // the portable block() adds m to each weight instead
+  thread_local std::vector<float> sums;
   if constexpr (std::is_same_v<W, BlockQ4_1>) {
     sums.resize(M * ldw);
     for (int64_t r = 0; r < M * ldw; ++r) {
@@ -333,6 +336,7 @@ void run(const W* w, int64_t ldw, const float* x, int64_t M, int64_t N, int64_t 
     }
     sp = sums.data();
   }
+#endif
   if (M <= 4) return tiles<4, 4>(w, ldw, x, M, N, K, sp, scale, bias, out);
   tiles<2, 8>(w, ldw, x, M, N, K, sp, scale, bias, out);
 }
