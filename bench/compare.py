@@ -13,13 +13,15 @@ TG ceiling it allows at batch 1, where every weight is read once per token.
 
     python -m bench.compare --http [--dtype f32 int8] [--runs 3] [--tg 128] [--lanes 1] [--temperature 0]
                             [--prompts configs/prompts/open-chat.json] [--spec-type draft-mtp draft-mtp-ngram]
+                            [-md DRAFT [DRAFT ...]]
 
 --http: the servers instead, as a user meets them (bench/served.py): for each dtype, tandem's
 server plain and with the MTP draft, and llama.cpp's server on the same GGUF file; every run sends
 each prompt of the file (chat prompts on tasks the draft never saw, chat-templated once and sent as
 the same text to all) to each server in turn, up to --tg tokens or the end of text. A run's TG is
 its tokens over its generating time; the table gives medians over runs, ratios to each system's
-plain twin and to llama.cpp's server, and accepted/drafted tokens.
+plain twin and to llama.cpp's server, and accepted/drafted tokens. Several drafts (-md A B) are
+served side by side in the same runs, each row named by its path: an A/B of drafts on one host state.
 """
 from __future__ import annotations
 
@@ -89,7 +91,9 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_workload_flags(p, heldout=5)
     p.add_argument("--dtype", nargs="+", choices=DTYPES, default=["f32"], help="tandem's weight formats")
-    p.add_argument("-md", "--spec-draft-model", help="MTP draft (default: the committed draft, for the default model)")
+    p.add_argument("-md", "--spec-draft-model", nargs="+",
+                   help="MTP draft (default: the committed draft, for the default model); --http takes several, "
+                        "each served beside the others in the same runs")
     p.add_argument("--spec-draft-n-max", type=int, default=3)
     p.add_argument("--spec-draft-p-min", type=float, default=0.5, help="the MTP draft's confidence floor")
     p.add_argument("--http", action="store_true", help="compare the servers over HTTP (see above)")
@@ -101,11 +105,13 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.http:
         return http_main(args)
+    if args.spec_draft_model and len(args.spec_draft_model) > 1:
+        p.error(f"--spec-draft-model: {len(args.spec_draft_model)} drafts given; only --http compares several")
     if args.threads:
         torch.set_num_threads(args.threads)
     threads = torch.get_num_threads()
     files = open_model(args.model)
-    draft = args.spec_draft_model or (str(DEFAULT_DRAFT) if args.model == "default" else None)
+    draft = next(iter(drafts_of(args)), None)
     pp_ids, prompts, ctx = workload(args)
     systems = []
     for dtype in args.dtype:
@@ -141,6 +147,11 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def drafts_of(args: argparse.Namespace) -> list[str]:
+    """The MTP drafts to serve: those named, else the committed draft for the default model."""
+    return args.spec_draft_model or ([str(DEFAULT_DRAFT)] if args.model == "default" else [])
+
+
 def http_main(args: argparse.Namespace) -> int:
     files = open_model(args.model)
     if files.path.suffix != ".gguf":
@@ -154,18 +165,21 @@ def http_main(args: argparse.Namespace) -> int:
     messages = json.loads(args.prompts.read_text())["prompts"]
     texts = [tokenizer.apply_chat_template([{"role": "user", "content": m}]) for m in messages]
     ctx = max(len(tokenizer.encode(t)) for t in texts) + args.tg + 1
-    draft = args.spec_draft_model or (str(DEFAULT_DRAFT) if args.model == "default" else None)
-    spec = ["-md", str(draft), "--spec-draft-n-max", str(args.spec_draft_n_max),
-            "--spec-draft-p-min", str(args.spec_draft_p_min)] if draft else None
+    drafts = drafts_of(args)
+    limits = ["--spec-draft-n-max", str(args.spec_draft_n_max), "--spec-draft-p-min", str(args.spec_draft_p_min)]
     with tempfile.TemporaryDirectory(prefix="bench-http-") as tmp:
         logs = Path(tmp)
         systems = []
         for dtype in args.dtype:
             base = ["-m", args.model, "--dtype", dtype, "-c", str(ctx * args.lanes), "-np", str(args.lanes)]
             systems.append(served.TandemServer(f"tandem {dtype}", [*base, "--spec-type", "none"], threads, logs))
-            for kind in args.spec_type if spec else ():
-                systems.append(served.TandemServer(f"tandem {dtype} + {kind}", [*base, "--spec-type", kind, *spec],
-                                                   threads, logs))
+            for draft in drafts:
+                # Named by the path as given only when several are compared; the plain twin is the
+                # name before " + ".
+                tag = f" ({draft})" if len(drafts) > 1 else ""
+                for kind in args.spec_type:
+                    command = [*base, "--spec-type", kind, "-md", draft, *limits]
+                    systems.append(served.TandemServer(f"tandem {dtype} + {kind}{tag}", command, threads, logs))
         systems.append(served.LlamaCppServer(files.path, ctx, args.lanes, threads, logs))
         try:
             for s in systems:
@@ -194,13 +208,14 @@ def http_main(args: argparse.Namespace) -> int:
 def served_table(series: list["served.Series"]) -> str:
     by_name = {r.system: r for r in series}
     llama = by_name.get(served.LlamaCppServer.NAME)
-    lines = [f"{'system':28s} {'TG tok/s':>9s} {'/plain':>7s} {'/llama.cpp':>10s} {'accepted/drafted':>17s}"]
+    width = max(28, *(len(r.system) for r in series))
+    lines = [f"{'system':{width}s} {'TG tok/s':>9s} {'/plain':>7s} {'/llama.cpp':>10s} {'accepted/drafted':>17s}"]
     for r in series:
         plain = by_name.get(r.system.split(" + ")[0])
         own = f"{r.tg_median / plain.tg_median:6.2f}x" if plain is not r and plain else f"{'':7s}"
         vs = f"{r.tg_median / llama.tg_median:9.2f}x" if llama else f"{'-':>10s}"
         rate = f"{r.accepted}/{r.drafted} = {r.accepted / r.drafted:.2f}" if r.drafted else ""
-        lines.append(f"{r.system:28s} {r.tg_median:9.1f} {own} {vs} {rate:>17s}")
+        lines.append(f"{r.system:{width}s} {r.tg_median:9.1f} {own} {vs} {rate:>17s}")
     return "\n".join(lines)
 
 

@@ -44,8 +44,12 @@ def test_measure_counts_the_tokens_after_each_streams_first(tandem, lanes):
 def test_table_gives_each_drafted_system_against_its_plain_twin_and_llama_cpp():
     rows = [served.Series("tandem int8", [100.0, 110.0, 90.0]),
             served.Series("tandem int8 + draft-mtp", [150.0, 160.0, 140.0], drafted=200, accepted=150),
+            # several drafts in one command are told apart by file name, against the same plain twin
+            served.Series("tandem int8 + draft-mtp (a-much-longer-draft-file-name)", [120.0], drafted=10, accepted=4),
             served.Series(served.LlamaCppServer.NAME, [120.0, 80.0, 100.0])]
     lines = served_table(rows).splitlines()
     assert lines[1].split() == ["tandem", "int8", "100.0", "1.00x"]
     assert lines[2].split() == ["tandem", "int8", "+", "draft-mtp", "150.0", "1.50x", "1.50x", "150/200", "=", "0.75"]
-    assert lines[3].split() == ["llama.cpp", "server", "100.0", "1.00x"]
+    assert lines[3].split()[5:] == ["120.0", "1.20x", "1.20x", "4/10", "=", "0.40"]
+    assert lines[4].split() == ["llama.cpp", "server", "100.0", "1.00x"]
+    assert lines[3].index("120.0") == lines[1].index("100.0")  # the long name widens the column for every row
