@@ -9,6 +9,7 @@ llama.cpp's one token per chunk before the finishing one (checked against its no
 """
 from __future__ import annotations
 
+import re
 import statistics
 import subprocess
 import sys
@@ -49,7 +50,9 @@ class Series:
 class TandemServer:
     def __init__(self, name: str, args: list[str], threads: int, log_dir: Path):
         self.name = name
-        self.process = ServerProcess([*args, "-t", str(threads)], log_dir / f"{name.replace(' ', '_')}.log")
+        # A name can hold a draft's path: the log's file name keeps only what a file name can.
+        log = re.sub(r"[^\w.+-]+", "_", name)
+        self.process = ServerProcess([*args, "-t", str(threads)], log_dir / f"{log}.log")
 
     def start(self) -> None:
         self.process.wait_ready()

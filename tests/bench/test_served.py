@@ -19,7 +19,8 @@ TEXTS = ["The river", "A list of three colours:", "Once upon a time"]
 def tandem(tmp_path_factory):
     config = json.loads((ROOT / "configs/tiny/llama.json").read_text())
     model = write_tiny_model(config, tmp_path_factory.mktemp("tiny-served"), seed=0)
-    server = served.TandemServer("tandem f32", ["-m", str(model), "-np", "2", "-c", "512"], 1,
+    # A name may carry a file's path, as rows of several drafts do: the server's log still opens.
+    server = served.TandemServer(f"tandem f32 ({model})", ["-m", str(model), "-np", "2", "-c", "512"], 1,
                                  tmp_path_factory.mktemp("served-logs"))
     try:
         server.start()
