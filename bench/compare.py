@@ -170,18 +170,18 @@ def http_main(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="bench-http-") as tmp:
         logs = Path(tmp)
         systems = []
-        for dtype in args.dtype:
-            base = ["-m", args.model, "--dtype", dtype, "-c", str(ctx * args.lanes), "-np", str(args.lanes)]
-            systems.append(served.TandemServer(f"tandem {dtype}", [*base, "--spec-type", "none"], threads, logs))
-            for draft in drafts:
-                # Named by the path as given only when several are compared; the plain twin is the
-                # name before " + ".
-                tag = f" ({draft})" if len(drafts) > 1 else ""
-                for kind in args.spec_type:
-                    command = [*base, "--spec-type", kind, "-md", draft, *limits]
-                    systems.append(served.TandemServer(f"tandem {dtype} + {kind}{tag}", command, threads, logs))
-        systems.append(served.LlamaCppServer(files.path, ctx, args.lanes, threads, logs))
-        try:
+        try:  # a server process starts when it is made: any failure from here on stops those made
+            for dtype in args.dtype:
+                base = ["-m", args.model, "--dtype", dtype, "-c", str(ctx * args.lanes), "-np", str(args.lanes)]
+                systems.append(served.TandemServer(f"tandem {dtype}", [*base, "--spec-type", "none"], threads, logs))
+                for draft in drafts:
+                    # Named by the path as given only when several are compared; the plain twin is the
+                    # name before " + ".
+                    tag = f" ({draft})" if len(drafts) > 1 else ""
+                    for kind in args.spec_type:
+                        command = [*base, "--spec-type", kind, "-md", draft, *limits]
+                        systems.append(served.TandemServer(f"tandem {dtype} + {kind}{tag}", command, threads, logs))
+            systems.append(served.LlamaCppServer(files.path, ctx, args.lanes, threads, logs))
             for s in systems:
                 s.start()
             print(f"model {args.model} ({files.path.name}), {len(texts)} prompts from {args.prompts.name}, up to "
