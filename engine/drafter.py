@@ -29,7 +29,7 @@ from engine.qsa import LayerSpec
 from engine.options import SPEC_TYPES
 from engine.quant import compute_dtype, keeps_blocks
 from engine.request import Draft, DraftLimits, Request
-from engine.sampling import distribution
+from engine.sampling import distribution, sample
 from engine.weights import open_model
 
 
@@ -138,7 +138,7 @@ def _choose_drafts(logits: torch.Tensor, reqs: list[Request], vocab_ids: torch.T
             continue
         full = row if vocab_ids is None else torch.full((vocab,), -math.inf).index_copy_(0, vocab_ids, row)
         q = distribution(full, req.params)
-        out.append((int(torch.multinomial(q, 1, generator=req.generator)), p, q))
+        out.append((sample(q, req.generator), p, q))
     return out
 
 

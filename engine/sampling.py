@@ -115,7 +115,15 @@ def distribution(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator) -> int:
-    return int(torch.multinomial(probs, 1, generator=generator))
+    """One draw from probs [vocab] (non-negative, summing to about 1) by inverting its cumulative
+    sum: the first token whose cumulative mass exceeds u * total, so a token without mass is never
+    drawn. torch.multinomial takes ~1.4 ms over a 49k vocabulary on this CPU, this ~0.05 ms, and a
+    sampled speculative step draws up to five times."""
+    cdf = probs.double().cumsum(0)
+    u = torch.rand(1, generator=generator, dtype=torch.float64) * cdf[-1]
+    i = int(torch.searchsorted(cdf, u, right=True))
+    # u * total can round up to the total itself; the draw then belongs to the last token with mass.
+    return i if i < len(probs) else int(torch.nonzero(probs).max())
 
 
 def choose(logits: torch.Tensor, params: SamplingParams, history: list[int], generator: torch.Generator) -> int:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.request import Draft
-from engine.sampling import SamplingParams, adjust_logits, distribution
+from engine.sampling import SamplingParams, adjust_logits, distribution, sample
 
 
 @dataclass
@@ -50,8 +50,7 @@ def accept_sampled(drafts: list[int], p: torch.Tensor, q: torch.Tensor, generato
         dist = residual / total if total > 0 else p[n]
     else:
         dist = p[k]
-    token = int(torch.multinomial(dist, 1, generator=generator))
-    return Verdict(n, drafts[:n] + [token])
+    return Verdict(n, drafts[:n] + [sample(dist, generator)])
 
 
 def verify(draft: Draft, logits: torch.Tensor, params: SamplingParams, history: list[int],

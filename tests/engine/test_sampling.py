@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from engine.errors import ConfigError
-from engine.sampling import SamplingParams, adjust_logits, choose, distribution, make_generator
+from engine.sampling import SamplingParams, adjust_logits, choose, distribution, make_generator, sample
 
 LOGITS = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
 
@@ -67,6 +67,16 @@ def test_sampling_follows_the_distribution():
     draws = torch.tensor([choose(LOGITS, params, [], g) for _ in range(4000)])
     freq = torch.bincount(draws, minlength=6).float() / 4000
     assert torch.allclose(freq, torch.softmax(LOGITS, -1), atol=0.03)
+
+
+def test_a_draw_follows_the_distribution_and_never_takes_a_token_without_mass():
+    probs = torch.tensor([0.0, 0.5, 0.0, 0.2, 0.3, 0.0])  # mass at the end and gaps between
+    g = make_generator(7)
+    draws = torch.tensor([sample(probs, g) for _ in range(4000)])
+    freq = torch.bincount(draws, minlength=6).float() / 4000
+    assert freq[probs == 0].sum() == 0
+    assert torch.allclose(freq, probs, atol=0.03)
+    assert sample(torch.tensor([0.0, 0.0, 1.0]), g) == 2
 
 
 @pytest.mark.parametrize("field,value,message", [
