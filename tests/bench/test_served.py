@@ -45,7 +45,7 @@ def test_measure_counts_the_tokens_after_each_streams_first(tandem, lanes):
 def test_table_gives_each_drafted_system_against_its_plain_twin_and_llama_cpp():
     rows = [served.Series("tandem int8", [100.0, 110.0, 90.0]),
             served.Series("tandem int8 + draft-mtp", [150.0, 160.0, 140.0], drafted=200, accepted=150),
-            # several drafts in one command are told apart by file name, against the same plain twin
+            # several drafts in one command are told apart by their paths, against the same plain twin
             served.Series("tandem int8 + draft-mtp (a-much-longer-draft-file-name)", [120.0], drafted=10, accepted=4),
             served.Series(served.LlamaCppServer.NAME, [120.0, 80.0, 100.0])]
     lines = served_table(rows).splitlines()
