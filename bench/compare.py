@@ -13,7 +13,7 @@ TG ceiling it allows at batch 1, where every weight is read once per token.
 
     python -m bench.compare --http [--dtype f32 int8] [--runs 3] [--tg 128] [--lanes 1] [--temperature 0]
                             [--prompts configs/prompts/open-chat.json] [--spec-type draft-mtp draft-mtp-ngram]
-                            [-md DRAFT [DRAFT ...]]
+                            [-md DRAFT [DRAFT ...]] [--spec-draft-width 1 [2 ...]]
 
 --http: the servers instead, as a user meets them (bench/served.py): for each dtype, tandem's
 server plain and with the MTP draft, and llama.cpp's server on the same GGUF file; every run sends
@@ -21,12 +21,14 @@ each prompt of the file (chat prompts on tasks the draft never saw, chat-templat
 the same text to all) to each server in turn, up to --tg tokens or the end of text. A run's TG is
 its tokens over its generating time; the table gives medians over runs, ratios to each system's
 plain twin and to llama.cpp's server, and accepted/drafted tokens. Several drafts (-md A B) are
-served side by side in the same runs, each row named by its path: an A/B of drafts on one host state.
+served side by side in the same runs, each row named by its path: an A/B of drafts on one host state;
+so are several widths (--spec-draft-width 1 2: chains against trees with one sibling per depth).
 """
 from __future__ import annotations
 
 import argparse
 import importlib.util
+import itertools
 import json
 import statistics
 import sys
@@ -96,6 +98,9 @@ def main(argv: list[str] | None = None) -> int:
                         "each served beside the others in the same runs")
     p.add_argument("--spec-draft-n-max", type=int, default=3)
     p.add_argument("--spec-draft-p-min", type=float, default=0.5, help="the MTP draft's confidence floor")
+    p.add_argument("--spec-draft-width", type=int, nargs="+", default=[1],
+                   help="candidates per draft depth (1: a chain); --http takes several, served side by side")
+    p.add_argument("--spec-draft-p-sibling", type=float, default=0.1, help="a sibling's least draft probability")
     p.add_argument("--http", action="store_true", help="compare the servers over HTTP (see above)")
     p.add_argument("--prompts", type=Path, default=OPEN_CHAT, help="--http: a JSON file with a 'prompts' list")
     p.add_argument("--lanes", type=int, default=1, help="--http: requests at once (and slots per tandem server)")
@@ -107,6 +112,8 @@ def main(argv: list[str] | None = None) -> int:
         return http_main(args)
     if args.spec_draft_model and len(args.spec_draft_model) > 1:
         p.error(f"--spec-draft-model: {len(args.spec_draft_model)} drafts given; only --http compares several")
+    if len(args.spec_draft_width) > 1:
+        p.error(f"--spec-draft-width: {len(args.spec_draft_width)} widths given; only --http compares several")
     if args.threads:
         torch.set_num_threads(args.threads)
     threads = torch.get_num_threads()
@@ -119,7 +126,8 @@ def main(argv: list[str] | None = None) -> int:
         if draft:
             systems.append(TandemSystem(args.model, dtype, ctx,
                                         SpecConfig(type="draft-mtp", draft_model=draft, n_max=args.spec_draft_n_max,
-                                                   p_min=args.spec_draft_p_min)))
+                                                   p_min=args.spec_draft_p_min, width=args.spec_draft_width[0],
+                                                   p_sibling=args.spec_draft_p_sibling)))
         systems.append(TandemSystem(args.model, dtype, ctx, SpecConfig(type="ngram-simple", n_max=args.spec_draft_n_max,
                                                                       p_min=0.0)))
     hf = TransformersSystem(args.model)
@@ -166,7 +174,8 @@ def http_main(args: argparse.Namespace) -> int:
     texts = [tokenizer.apply_chat_template([{"role": "user", "content": m}]) for m in messages]
     ctx = max(len(tokenizer.encode(t)) for t in texts) + args.tg + 1
     drafts = drafts_of(args)
-    limits = ["--spec-draft-n-max", str(args.spec_draft_n_max), "--spec-draft-p-min", str(args.spec_draft_p_min)]
+    limits = ["--spec-draft-n-max", str(args.spec_draft_n_max), "--spec-draft-p-min", str(args.spec_draft_p_min),
+              "--spec-draft-p-sibling", str(args.spec_draft_p_sibling)]
     with tempfile.TemporaryDirectory(prefix="bench-http-") as tmp:
         logs = Path(tmp)
         systems = []
@@ -174,12 +183,13 @@ def http_main(args: argparse.Namespace) -> int:
             for dtype in args.dtype:
                 base = ["-m", args.model, "--dtype", dtype, "-c", str(ctx * args.lanes), "-np", str(args.lanes)]
                 systems.append(served.TandemServer(f"tandem {dtype}", [*base, "--spec-type", "none"], threads, logs))
-                for draft in drafts:
-                    # Named by the path as given only when several are compared; the plain twin is the
-                    # name before " + ".
-                    tag = f" ({draft})" if len(drafts) > 1 else ""
+                for draft, width in itertools.product(drafts, args.spec_draft_width):
+                    # Named by the path as given and the width only when several are compared; the
+                    # plain twin is the name before " + ".
+                    tag = (f" ({draft})" if len(drafts) > 1 else "") + \
+                        (f" w={width}" if len(args.spec_draft_width) > 1 else "")
                     for kind in args.spec_type:
-                        command = [*base, "--spec-type", kind, "-md", draft, *limits]
+                        command = [*base, "--spec-type", kind, "-md", draft, *limits, "--spec-draft-width", str(width)]
                         systems.append(served.TandemServer(f"tandem {dtype} + {kind}{tag}", command, threads, logs))
             systems.append(served.LlamaCppServer(files.path, ctx, args.lanes, threads, logs))
             for s in systems:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 import math
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
 import torch
@@ -48,6 +48,10 @@ class SpecConfig:
     # adds 1 + n_max verify rows, and on a CPU a step of many rows is bound by arithmetic, not by
     # reading the weights: there a draft accepted 40% of the time costs more than it saves.
     max_batch: int = 0
+    # Candidates per depth: the chain's token and up to width-1 siblings, the draft's next most
+    # likely tokens with at least p_sibling probability each (request.Draft). 1: a chain.
+    width: int = 1
+    p_sibling: float = 0.1
 
     def __post_init__(self) -> None:
         if self.runs_mtp and self.draft_model == "default":
@@ -60,6 +64,11 @@ class SpecConfig:
             (0 <= self.p_min <= 1 and not math.isnan(self.p_min), "spec_draft_p_min", self.p_min, "must be in [0, 1]"),
             (self.ngram_n >= 1, "spec_ngram_size_n", self.ngram_n, "must be >= 1"),
             (self.max_batch >= 0, "spec_max_batch", self.max_batch, "must be >= 0 (0: no limit)"),
+            (1 <= self.width <= 8, "spec_draft_width", self.width, "must be in 1..8"),
+            (self.width == 1 or self.type != "ngram-simple", "spec_draft_width", self.width,
+             "must be 1 with spec_type=ngram-simple: siblings come from a draft model's distribution"),
+            (0 <= self.p_sibling <= 1 and not math.isnan(self.p_sibling), "spec_draft_p_sibling", self.p_sibling,
+             "must be in [0, 1]"),
             (self.type == "ngram-simple" or self.draft_model, "spec_draft_model", self.draft_model,
              f"is required with spec_type={self.type}"),
         ])
@@ -68,6 +77,11 @@ class SpecConfig:
     def runs_mtp(self) -> bool:
         """Whether a detached MTP draft runs (alone, or with the n-gram lookup)."""
         return self.type in ("draft-mtp", "draft-mtp-ngram")
+
+    @property
+    def verify_rows(self) -> int:
+        """The most tokens a decode row verifies after its last one: the chain and its siblings."""
+        return self.n_max * self.width
 
     @property
     def limits(self) -> DraftLimits:
@@ -119,33 +133,46 @@ class Drafter(Protocol):
     def draft(self, spans: list[Span]) -> dict[Request, Draft]: ...
 
 
-def _top1(logits: torch.Tensor, vocab_ids: torch.Tensor | None) -> tuple[list[int], list[float]]:
-    """Each row's most likely token (a full-vocabulary id) and its probability, from drafter logits
-    [R, V'] (over `vocab_ids` when given), in one pass for the whole batch."""
-    top, best = torch.softmax(logits, -1).max(-1)
+def _ranked(logits: torch.Tensor, vocab_ids: torch.Tensor | None, k: int) -> tuple[list[list[int]], list[list[float]]]:
+    """Each row's k most likely tokens (full-vocabulary ids) and their probabilities, best first,
+    from drafter logits [R, V'] (over `vocab_ids` when given), in one pass for the whole batch."""
+    top, best = torch.softmax(logits, -1).topk(k, -1)
     return (vocab_ids[best] if vocab_ids is not None else best).tolist(), top.tolist()
 
 
-def _choose_drafts(logits: torch.Tensor, reqs: list[Request], vocab_ids: torch.Tensor | None, vocab: int):
-    """A draft token from each row of drafter logits [R, V'] (over `vocab_ids` when given), for
-    reqs[r]: (token, its top-1 probability, and when the request samples the full-vocabulary
-    distribution the token came from)."""
-    ids, tops = _top1(logits, vocab_ids)  # greedy or not: p_min reads the top-1 probability
+@dataclass
+class Choice:
+    token: int
+    top: float  # the row's top-1 probability, which p_min reads whether the request samples or not
+    q: torch.Tensor | None  # the full-vocabulary distribution the token was drawn from, when sampled
+    siblings: list[int]  # the row's next most likely tokens (not `token`) that may stand beside it
+
+
+def _choose_drafts(logits: torch.Tensor, reqs: list[Request], vocab_ids: torch.Tensor | None, vocab: int,
+                   width: int, p_sibling: float) -> list[Choice]:
+    """A draft token from each row of drafter logits [R, V'] (over `vocab_ids` when given), for reqs[r],
+    with up to width-1 siblings of at least p_sibling probability."""
+    ids, probs = _ranked(logits, vocab_ids, width)
     out = []
-    for row, req, token, p in zip(logits, reqs, ids, tops):
-        if req.params.greedy:
-            out.append((token, p, None))
-            continue
-        full = row if vocab_ids is None else torch.full((vocab,), -math.inf).index_copy_(0, vocab_ids, row)
-        q = distribution(full, req.params)
-        out.append((sample(q, req.generator), p, q))
+    for row, req, ranked, p in zip(logits, reqs, ids, probs):
+        token, q = ranked[0], None
+        if not req.params.greedy:
+            full = row if vocab_ids is None else torch.full((vocab,), -math.inf).index_copy_(0, vocab_ids, row)
+            q = distribution(full, req.params)
+            token = sample(q, req.generator)
+        out.append(Choice(token, p[0], q, _siblings(ranked, p, token, width, p_sibling)))
     return out
 
 
-def _as_draft(tokens: list[int], qs: list, n_min: int) -> Draft:
+def _siblings(ranked: list[int], probs: list[float], token: int, width: int, p_sibling: float) -> list[int]:
+    """Up to width-1 of a row's ranked tokens, other than the chain's `token`, of at least p_sibling."""
+    return [t for t, p in zip(ranked, probs) if t != token and p >= p_sibling][:width - 1]
+
+
+def _as_draft(tokens: list[int], qs: list, n_min: int, siblings: list[tuple[int, int]] | None = None) -> Draft:
     if len(tokens) < n_min:
         return Draft()
-    return Draft(tokens, torch.stack(qs) if qs and qs[0] is not None else None)
+    return Draft(tokens, torch.stack(qs) if qs and qs[0] is not None else None, siblings or [])
 
 
 def _lookup_draft(req: Request, tokens: list[int], vocab: int) -> Draft:
@@ -185,6 +212,7 @@ class CachedDrafter(ABC):
     committed span, then draft one token per forward, batched across requests."""
     needs_hidden: bool
     vocab_ids: torch.Tensor | None = None  # full-vocabulary id of each logit, when over a subset
+    width, p_sibling = 1, 0.0  # SpecConfig's: candidates per depth, and a sibling's least probability
 
     def __init__(self, cache, vocab: int):
         self.cache, self.vocab = cache, vocab
@@ -206,56 +234,88 @@ class CachedDrafter(ABC):
     @torch.inference_mode()
     def draft(self, spans: list[Span], override: Override | None = None) -> dict[Request, Draft]:
         """override: asked for each decoding request once the catch-up has given the depth-1
-        logits; a draft it returns is the request's, and the model drafts no deeper for it."""
+        logits; a draft it returns is the request's (with siblings of its first token from those
+        logits), and the model drafts no deeper for it."""
         if not spans:
             return {}
         rows, hiddens = zip(*(self.catch_up_rows(s) for s in spans))
         hidden = torch.cat(hiddens) if hiddens[0] is not None else None
         # The head runs only at the last catch-up token of a request that drafts: a prompt chunk's
         # rows, and those of a request with no room to draft, only fill the cache.
-        # (span, its draft limit, the position its first draft token goes to, its last token in the batch)
-        drafting = []
+        drafting, last = [], []
         for span, row, end in zip(spans, rows, itertools.accumulate(len(row.tokens) for row in rows)):
-            limit = min(span.request.draft_limits.n_max, span.room)
-            if not span.request.prefilling and limit > 0:
-                drafting.append((span, limit, row.start + len(row.tokens), end - 1))
-        last = torch.tensor([d[3] for d in drafting], dtype=torch.long)
-        state, logits = self.run(1, list(rows), hidden, last)
-        state = state[last.to(state.device)] if state is not None else None
+            if not span.request.prefilling and min(span.request.draft_limits.n_max, span.room) > 0:
+                drafting.append(_Drafting(span, row.start + len(row.tokens), len(last)))
+                last.append(end - 1)
+        at = torch.tensor(last, dtype=torch.long)
+        state, logits = self.run(1, list(rows), hidden, at)
+        state = state[at.to(state.device)] if state is not None else None
         drafts = {}
-        active = []  # [request, tokens, qs, limit, position of the next draft row, its row in state and logits]
-        for j, (span, limit, position, _) in enumerate(drafting):
-            req = span.request
-            chosen = override(span, logits[j], limit) if override is not None else None
-            if chosen is not None:
-                drafts[req] = chosen
+        active = []
+        for item in drafting:
+            chosen = override(item.span, logits[item.row], item.limit) if override is not None else None
+            if chosen is None:
+                active.append(item)
                 continue
-            active.append([req, [], [], limit, position, j])
+            if chosen.tokens:
+                (ranked,), (probs,) = _ranked(logits[item.row][None], self.vocab_ids, self.width)
+                item.add_siblings(0, _siblings(ranked, probs, chosen.tokens[0], self.width, self.p_sibling))
+                chosen.siblings = item.siblings
+            drafts[item.request] = chosen
         # Each depth drafts for the requests still going: a request leaves when its draft is as
         # long as its limit or the draft's confidence falls below its p_min.
         going, depth = active, 1
         while going:
-            rows_at = torch.tensor([item[5] for item in going])
-            choices = _choose_drafts(logits[rows_at], [item[0] for item in going], self.vocab_ids, self.vocab)
+            rows_at = torch.tensor([item.row for item in going])
+            choices = _choose_drafts(logits[rows_at], [item.request for item in going], self.vocab_ids, self.vocab,
+                                     self.width, self.p_sibling)
             still = []
-            for item, (token, top, q) in zip(going, choices):
-                if top < item[0].draft_limits.p_min:
+            for item, choice in zip(going, choices):
+                if choice.top < item.request.draft_limits.p_min:
                     continue
-                item[1].append(token)
-                item[2].append(q)
-                if len(item[1]) < item[3]:
+                item.tokens.append(choice.token)
+                item.qs.append(choice.q)
+                item.add_siblings(depth - 1, choice.siblings)
+                if len(item.tokens) < item.limit:
                     still.append(item)
             if not still:
                 break
             depth += 1
-            rows = [Row(item[0].slot, item[4] + depth - 2, [item[1][-1]]) for item in still]
-            prev = state[torch.tensor([item[5] for item in still]).to(state.device)] if state is not None else None
+            rows = [Row(item.request.slot, item.position + depth - 2, [item.tokens[-1]]) for item in still]
+            prev = state[torch.tensor([item.row for item in still]).to(state.device)] if state is not None else None
             state, logits = self.run(depth, rows, prev)
             for j, item in enumerate(still):
-                item[5] = j
+                item.row = j
             going = still
-        drafts.update((req, _as_draft(tokens, qs, req.draft_limits.n_min)) for req, tokens, qs, *_ in active)
+        drafts.update((item.request, _as_draft(item.tokens, item.qs, item.request.draft_limits.n_min, item.siblings))
+                      for item in active)
         return drafts
+
+
+@dataclass
+class _Drafting:
+    """One request's draft while CachedDrafter.draft builds it."""
+    span: Span
+    position: int  # where its first draft token goes
+    row: int  # its row in the latest depth's state and logits
+    tokens: list[int] = field(default_factory=list)
+    qs: list = field(default_factory=list)
+    siblings: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def request(self) -> Request:
+        return self.span.request
+
+    @property
+    def limit(self) -> int:
+        """The chain's most tokens."""
+        return min(self.request.draft_limits.n_max, self.span.room)
+
+    def add_siblings(self, depth: int, tokens: list[int]) -> None:
+        """Siblings of the chain's token at `depth`, as many as the slot's room leaves beside a
+        whole chain and the siblings already taken (the verify row must fit the slot)."""
+        free = self.span.room - self.limit - len(self.siblings)
+        self.siblings.extend((depth, t) for t in tokens[:max(0, free)])
 
 
 class MTPDrafter(CachedDrafter):
@@ -300,8 +360,8 @@ class MTPNgramDrafter:
         tokens = ngram_draft(req.all_ids, self.ngram_n, limit)
         if not tokens or len(tokens) < req.draft_limits.n_min:
             return None
-        (choice,), (top,) = _top1(logits[None], self.cached.vocab_ids)
-        if tokens[0] != choice and top >= req.draft_limits.p_min:
+        (ranked,), (probs,) = _ranked(logits[None], self.cached.vocab_ids, 1)
+        if tokens[0] != ranked[0] and probs[0] >= req.draft_limits.p_min:
             return None
         self.lookup_drafts += 1
         return _lookup_draft(req, tokens, self.cached.vocab)
@@ -366,6 +426,7 @@ def load_drafter(spec: SpecConfig, target_model, target_tensors: dict, dtype: st
         cache = KVCache(len(specs), slots, ctx_per_slot, config.num_kv_heads, config.head_dim, compute_dtype(dtype),
                         specs=specs, devices=[device] * len(specs))
         drafter = MTPDrafter(draft, target_model, cache, config.vocab_size)
+        drafter.width, drafter.p_sibling = spec.width, spec.p_sibling
         return MTPNgramDrafter(drafter, spec.ngram_n) if spec.type == "draft-mtp-ngram" else drafter
     files = open_model(spec.draft_model)
     c = files.config
@@ -374,4 +435,6 @@ def load_drafter(spec: SpecConfig, target_model, target_tensors: dict, dtype: st
                         placement=Placement.single(c.num_layers, device))
     cache = KVCache(c.num_layers, slots, ctx_per_slot, c.num_kv_heads, c.head_dim, compute_dtype(dtype),
                     specs=model.specs, devices=[device] * c.num_layers)
-    return DraftModelDrafter(model, cache, config.vocab_size)
+    drafter = DraftModelDrafter(model, cache, config.vocab_size)
+    drafter.width, drafter.p_sibling = spec.width, spec.p_sibling
+    return drafter

@@ -132,6 +132,7 @@ class EngineStats:
     # Per draft position i (0-based): how often a draft reached it, and how often it was accepted.
     drafted_at: list[int] = field(default_factory=list)
     accepted_at: list[int] = field(default_factory=list)
+    siblings_kept: int = 0  # steps whose kept path ended in a sibling rather than the chain's draft
 
     def count_drafts(self, drafted: int, accepted: int) -> None:
         grow = drafted - len(self.drafted_at)
@@ -228,7 +229,7 @@ class Engine:
             model.stages.append(remote)  # after the local stage, before the final norm
         scheduler = Scheduler(config.parallel, config.ctx_per_slot, config.batch_size, config.ubatch_size,
                               MirroredCache(cache, remote.queued) if remote is not None else cache,
-                              reuse_margin=margin, draft_max=config.spec.n_max if config.spec else 0)
+                              reuse_margin=margin, draft_max=config.spec.verify_rows if config.spec else 0)
         return cls(config, files, model, tokenizer, cache, scheduler, frozenset(eos), drafter=drafter, devices=devices,
                    remote=remote, placement=headers.placement,
                    weight_formats={fmt: use.tensors for fmt, use in formats.items()})
@@ -434,10 +435,15 @@ class Engine:
     def _apply(self, p: PlannedRow, out: "StepResult", i: int) -> Span | None:
         """What row i of the step gives its request; the span the drafter should see, if any."""
         req, tokens, at = p.request, p.row.tokens, out.firsts[i]
+        kept = None  # the row's tokens committed, by index, where they are not its first ones
         if p.decodes:
             verdict = self._verify(req, out.logits[at:at + len(tokens)])
-            self.scheduler.commit(req, tokens[:verdict.accepted + 1])
-            self._emit(req, verdict.tokens, out.logits[at:at + verdict.accepted + 1], out.now)
+            if verdict.rows[-1] != verdict.accepted:  # a sibling was kept: its K/V moves to its place
+                kept = torch.tensor(verdict.rows)
+                self.stats.siblings_kept += 1
+                self.cache.move(req.slot, p.row.start + verdict.rows[-1], p.row.start + verdict.accepted)
+            self.scheduler.commit(req, [tokens[r] for r in verdict.rows])
+            self._emit(req, verdict.tokens, out.logits[at + torch.tensor(verdict.rows)], out.now)
         else:
             self.scheduler.commit(req, tokens)
             if p.samples:
@@ -446,8 +452,8 @@ class Engine:
         if self.drafter is None or req.status is not Status.RUNNING:
             return None
         start = out.starts[i]
-        return Span(req, p.row.start, req.num_computed, out.hidden[start:start + req.num_computed - p.row.start],
-                    room=self.config.ctx_per_slot - req.num_computed - 1)
+        hidden = out.hidden[start:start + req.num_computed - p.row.start] if kept is None else out.hidden[start + kept]
+        return Span(req, p.row.start, req.num_computed, hidden, room=self.config.ctx_per_slot - req.num_computed - 1)
 
     def _verify(self, req: Request, logits: torch.Tensor) -> Verdict:
         """Which of the request's drafts the target keeps (logits: [1 + drafts, vocab], one per

@@ -73,6 +73,12 @@ class Q8Storage:
         return self._dequantize(self.q.index_select(dim, rows), self.scale.index_select(dim, rows))
 
 
+def _copy(store, dst, src) -> None:
+    """store[dst] = store[src], as stored: q8_0 blocks are copied, never quantized again."""
+    for t in (store.q, store.scale) if isinstance(store, Q8Storage) else (store,):
+        t[dst] = t[src]
+
+
 def _storage(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor | Q8Storage:
     return Q8Storage(shape, device) if dtype == torch.int8 else torch.zeros(shape, dtype=dtype, device=device)
 
@@ -98,6 +104,15 @@ class _Stores:
     k: list
     v: list
     kpool: list
+
+    def move(self, slot: int, src: int, dst: int) -> None:
+        """Position src's K and V to position dst of the slot, in every layer: an accepted tree
+        node's, from its scratch position down to the committed one. Dense layers only: a QSA
+        layer's pooled keys are not recomputed (trees are refused over QSA targets)."""
+        for layer in range(len(self.k)):
+            a, b = self._at(layer, slot, dst), self._at(layer, slot, src)
+            _copy(self.k[layer], a, b)
+            _copy(self.v[layer], a, b)
 
     @property
     def nbytes(self) -> int:
@@ -137,6 +152,9 @@ class KVCache(_Stores):
     @property
     def capacity(self) -> int:
         return self.num_slots * self.ctx_per_slot
+
+    def _at(self, layer: int, slot: int, position: int) -> tuple:
+        return slot, slice(None), position
 
     def ensure(self, slot: int, length: int) -> bool:
         """Whether the slot can hold `length` positions (room is reserved here when it is shared)."""
@@ -268,6 +286,9 @@ class PagedKVCache(_Stores):
         self.pool.truncate(slot, length)
         if len(self.pool.pages[slot]) != before:
             self._reindex(slot)
+
+    def _at(self, layer: int, slot: int, position: int) -> tuple:
+        return slice(None), int(self._index[slot][position])
 
     def _reindex(self, slot: int) -> None:
         pages = torch.tensor(self.pool.pages[slot], dtype=torch.long)

@@ -206,7 +206,7 @@ def fused_layers(layers: list[DecoderLayer], x: torch.Tensor, batch: ForwardBatc
                                   [cache.v[layer.index] for layer in layers],
                                   [cache.kpool[layer.index] for layer in layers], [spec.ratio for spec in specs],
                                   [spec.budget for spec in specs], batch.slots, batch.positions, cos, sin,
-                                  a.heads, a.kv_heads, first.input_layernorm.eps)
+                                  a.heads, a.kv_heads, first.input_layernorm.eps, batch.rope_positions)
 
 
 def run_layers(layers: list[DecoderLayer], x: torch.Tensor, batch: ForwardBatch, cos: torch.Tensor,
@@ -318,7 +318,7 @@ class Transformer(nn.Module):
         """The batch embedded and run through `stages` (all, or a pipeline head's own), writing their
         K/V: hidden states before the final norm, [N, hidden], where the last of them leaves them."""
         x = self.embed_tokens(batch.token_ids)
-        cos, sin = self.cos[batch.positions], self.sin[batch.positions]
+        cos, sin = self.cos[batch.rope], self.sin[batch.rope]
         for stage in stages:
             x = stage.run(x, batch, cos, sin, cache)
         return x

@@ -46,9 +46,24 @@ class DraftLimits:
 @dataclass
 class Draft:
     """Tokens proposed to follow a request's last token, in order, and when the request samples
-    the distributions they were drawn from. A chain: a tree would add each token's parent index."""
+    the distributions they were drawn from. Siblings make it a small tree: (depth, token) is an
+    alternative to tokens[depth] after tokens[:depth], verified in the same forward and tried, in
+    order, only where tokens[depth] is rejected. A sibling is deterministic (its q is one-hot)."""
     tokens: list[int] = field(default_factory=list)
     q: torch.Tensor | None = None  # [len(tokens), vocab]
+    siblings: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def row(self) -> list[int]:
+        """The verify row's tokens after the request's last one: the chain, then the siblings."""
+        return self.tokens + [t for _, t in self.siblings]
+
+    @property
+    def depths(self) -> list[int] | None:
+        """Each verify row token's depth (engine.batch.Row), None for a chain."""
+        if not self.siblings:
+            return None
+        return list(range(len(self.tokens) + 1)) + [d + 1 for d, _ in self.siblings]
 
 
 @dataclass

@@ -133,10 +133,12 @@ class Scheduler:
         for req in self.running:
             if req in plan.preempted:
                 continue
-            if not req.prefilling and self._reserve(plan, req, req.num_computed + 1 + len(req.draft.tokens)):
-                # The last sampled token, then the drafts to verify after it.
-                tokens = [req.all_ids[-1]] + req.draft.tokens
-                plan.rows.append(PlannedRow(req, Row(req.slot, req.num_computed, tokens), True, decodes=True))
+            if not req.prefilling and self._reserve(plan, req, req.num_computed + 1 + len(req.draft.row)):
+                # The last sampled token, then the drafts to verify after it (a sibling's K/V is
+                # written past the chain's, and moved down if it is kept).
+                tokens = [req.all_ids[-1]] + req.draft.row
+                plan.rows.append(PlannedRow(req, Row(req.slot, req.num_computed, tokens, req.draft.depths), True,
+                                            decodes=True))
                 budget -= len(tokens)
         for req in self.running:
             if req.prefilling and budget > 0 and req not in plan.preempted:

@@ -4,6 +4,13 @@ Greedy: drafts are kept while each equals the target's argmax; the target's own 
 the first mismatch (or as the bonus token after all k). Sampling: draft x is kept with probability
 min(1, p(x)/q(x)); at the first rejection the token is drawn from normalise(max(0, p - q)). This
 keeps the output distribution exactly the target's (Leviathan et al., Chen et al. 2023).
+
+Siblings (docs/architecture.md, "Trees"): where the chain's draft at depth d is rejected, its
+siblings at depth d are tried in order against what remains. Greedy keeps the one equal to the
+argmax. Sampling keeps sibling s with probability r(s), r the distribution the token would
+otherwise be drawn from, and on rejection takes s out of r (a one-hot draft's residual); the token
+kept is then exactly a draw from r, whichever siblings were proposed, as in SpecInfer's
+multi-candidate rule. A kept sibling is followed by the target's token at the sibling's own row.
 """
 from __future__ import annotations
 
@@ -19,19 +26,38 @@ from engine.sampling import SamplingParams, adjust_logits, distribution, sample
 class Verdict:
     accepted: int  # how many drafts were kept
     tokens: list[int]  # the kept drafts followed by the target's token: accepted + 1 tokens
+    # The verify row's index of each position the step commits (its last token, then the kept
+    # drafts): 0 .. accepted along the chain; a kept sibling's is its own, past the chain's.
+    rows: list[int] | None = None
+
+    def __post_init__(self) -> None:
+        if self.rows is None:
+            self.rows = list(range(self.accepted + 1))
 
 
-def accept_greedy(drafts: list[int], target_argmax: list[int]) -> Verdict:
-    """target_argmax[i]: the target's argmax after the i-th verified position (k+1 entries)."""
+def _sibling_rows(draft: Draft, depth: int) -> list[tuple[int, int]]:
+    """(row, token) of each sibling of the chain's draft at `depth`, in the order they are tried."""
+    first = 1 + len(draft.tokens)
+    return [(first + i, t) for i, (d, t) in enumerate(draft.siblings) if d == depth]
+
+
+def accept_greedy(drafts: list[int], target_argmax: list[int], draft: Draft | None = None) -> Verdict:
+    """target_argmax[i]: the target's argmax after the i-th verified row (one per row of the
+    draft's verify row: the chain's k+1, then its siblings')."""
     n = 0
     while n < len(drafts) and drafts[n] == target_argmax[n]:
         n += 1
+    if n < len(drafts) and draft is not None:
+        for row, token in _sibling_rows(draft, n):
+            if token == target_argmax[n]:
+                return Verdict(n + 1, drafts[:n] + [token, target_argmax[row]], list(range(n + 1)) + [row])
     return Verdict(n, drafts[:n] + [target_argmax[n]])
 
 
-def accept_sampled(drafts: list[int], p: torch.Tensor, q: torch.Tensor, generator: torch.Generator) -> Verdict:
-    """p: [k+1, vocab] target distributions at each verified position; q: [k, vocab] the draft
-    distributions the drafts were drawn from."""
+def accept_sampled(drafts: list[int], p: torch.Tensor, q: torch.Tensor, generator: torch.Generator,
+                   draft: Draft | None = None) -> Verdict:
+    """p: [rows, vocab] target distributions at each verified row (the chain's k+1, then the
+    siblings'); q: [k, vocab] the draft distributions the chain's drafts were drawn from."""
     k = len(drafts)
     if k:
         ids = torch.tensor(drafts)
@@ -42,27 +68,38 @@ def accept_sampled(drafts: list[int], p: torch.Tensor, q: torch.Tensor, generato
         n = int(rejected[0]) if rejected.numel() else k
     else:
         n = 0
-    if n < k:
-        residual = (p[n] - q[n]).clamp(min=0)
-        total = residual.sum()
-        # p == q leaves no residual mass; a rejection then has probability 0, but rounding can
-        # still reach here, and p itself is the right distribution in that case.
-        dist = residual / total if total > 0 else p[n]
-    else:
-        dist = p[k]
+    if n == k:
+        return Verdict(n, drafts + [sample(p[k], generator)])
+    dist = _residual(p[n], q[n])
+    for row, token in _sibling_rows(draft, n) if draft is not None else ():
+        if float(torch.rand(1, generator=generator)) < float(dist[token]):
+            return Verdict(n + 1, drafts[:n] + [token, sample(p[row], generator)], list(range(n + 1)) + [row])
+        dist = dist.clone()
+        dist[token] = 0
+        total = dist.sum()
+        dist = dist / total if total > 0 else p[n]
     return Verdict(n, drafts[:n] + [sample(dist, generator)])
+
+
+def _residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    residual = (p - q).clamp(min=0)
+    total = residual.sum()
+    # p == q leaves no residual mass; a rejection then has probability 0, but rounding can still
+    # reach here, and p itself is the right distribution in that case.
+    return residual / total if total > 0 else p
 
 
 def verify(draft: Draft, logits: torch.Tensor, params: SamplingParams, history: list[int],
            generator: torch.Generator) -> Verdict:
     """The verdict on a draft that followed `history`, from the target's logits at each verified
-    position ([1 + len(draft.tokens), vocab]). Penalties and bias apply at each position as if the
-    drafts before it had been emitted."""
+    row ([1 + len(draft.row), vocab]). Penalties and bias apply at each row as if the tokens
+    before it on its path had been emitted."""
     drafts = draft.tokens
+    paths = [drafts[:i] for i in range(len(drafts) + 1)] + [drafts[:d] + [t] for d, t in draft.siblings]
     if params.greedy:
-        argmax = [int(adjust_logits(row, params, history + drafts[:i]).argmax()) if params.has_penalties
-                  or params.logit_bias else int(row.argmax()) for i, row in enumerate(logits)]
-        return accept_greedy(drafts, argmax)
-    p = torch.stack([distribution(adjust_logits(row, params, history + drafts[:i]), params)
-                     for i, row in enumerate(logits)])
-    return accept_sampled(drafts, p, draft.q if drafts else p[:0], generator)
+        argmax = [int(adjust_logits(row, params, history + path).argmax()) if params.has_penalties
+                  or params.logit_bias else int(row.argmax()) for row, path in zip(logits, paths)]
+        return accept_greedy(drafts, argmax, draft)
+    p = torch.stack([distribution(adjust_logits(row, params, history + path), params)
+                     for row, path in zip(logits, paths)])
+    return accept_sampled(drafts, p, draft.q if drafts else p[:0], generator, draft)

@@ -6,7 +6,9 @@
 // row. Grouped heads read their kv head directly (head h uses kv head h / group), no repeated K/V.
 //
 // q [R, H, D]; k, v: the layer's cache [S, KVH, C, D]; row r reads slot slots[r], positions
-// 0 .. lengths[r]-1. Scores and the softmax in f32.
+// 0 .. lengths[r]-2 and then its own, last[r] (lengths[r]-1 unless given). A tree's verify row
+// stands at a scratch position past its siblings' yet attends as the chain node it would be:
+// its ancestors' prefix, then itself. Scores and the softmax in f32.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -35,8 +37,9 @@ inline void prefetch_row(const T* p, int64_t D) {
 }
 
 template <typename T>
-void attend(const T* q, const T* k, const T* v, T* out, const int64_t* slots, const int64_t* lengths, int64_t R,
-            int64_t H, int64_t KVH, int64_t D, int64_t slot_stride, int64_t kv_head_stride, float scale) {
+void attend(const T* q, const T* k, const T* v, T* out, const int64_t* slots, const int64_t* lengths,
+            const int64_t* last, int64_t R, int64_t H, int64_t KVH, int64_t D, int64_t slot_stride,
+            int64_t kv_head_stride, float scale) {
   const int64_t group = H / KVH, max_len = *std::max_element(lengths, lengths + R);
   // One work item per (row, kv head): its `group` query heads, scores [group, L], outputs [group, D].
   const int64_t grain = std::max<int64_t>(1, 65536 / (max_len * D * group));
@@ -47,9 +50,10 @@ void attend(const T* q, const T* k, const T* v, T* out, const int64_t* slots, co
       const T* kh = k + slots[r] * slot_stride + g * kv_head_stride;
       const T* vh = v + slots[r] * slot_stride + g * kv_head_stride;
       const T* qg = q + (r * H + g * group) * D;
+      const int64_t own = last[r];
       for (int64_t i = 0; i < group * D; ++i) qf[i] = static_cast<float>(qg[i]) * scale;
       for (int64_t l = 0; l < L; ++l) {  // each key is read once for the whole group
-        const T* kl = kh + l * D;
+        const T* kl = kh + (l == L - 1 ? own : l) * D;
         prefetch_row(kl + PREFETCH_ROWS * D, D);
         for (int64_t j = 0; j < group; ++j) {
           const float* qj = qf.data() + j * D;
@@ -68,7 +72,7 @@ void attend(const T* q, const T* k, const T* v, T* out, const int64_t* slots, co
       }
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t l = 0; l < L; ++l) {  // and each value once
-        const T* vl = vh + l * D;
+        const T* vl = vh + (l == L - 1 ? own : l) * D;
         prefetch_row(vl + PREFETCH_ROWS * D, D);
         for (int64_t j = 0; j < group; ++j) {
           float* aj = acc.data() + j * D;
@@ -142,20 +146,21 @@ inline __m512 partial_dot(const __m512 (&q)[NC], const float* key) {
   return d;
 }
 
-// One query head (q: NC vectors of 16, already scaled) against keys 0 .. L-1 -> scores[0 .. L-1].
+// One query head (q: NC vectors of 16, already scaled) against keys 0 .. L-2 and the key at `own`
+// (the row's own position, L-1 but for a tree node) -> scores[0 .. L-1].
 template <int NC>
-inline void head_scores(const __m512 (&q)[NC], const float* k, int64_t L, float* scores) {
+inline void head_scores(const __m512 (&q)[NC], const float* k, int64_t L, int64_t own, float* scores) {
   constexpr int64_t D = 16 * NC;
   int64_t l = 0;
   for (; l + 16 <= L; l += 16) {
     __m512 dots[16];
     for (int j = 0; j < 16; ++j) {
       prefetch_row(k + (l + j + PREFETCH_ROWS) * D, D);
-      dots[j] = partial_dot(q, k + (l + j) * D);
+      dots[j] = partial_dot(q, k + (l + j == L - 1 ? own : l + j) * D);
     }
     _mm512_storeu_ps(scores + l, sums16(dots));
   }
-  for (; l < L; ++l) scores[l] = _mm512_reduce_add_ps(partial_dot(q, k + l * D));
+  for (; l < L; ++l) scores[l] = _mm512_reduce_add_ps(partial_dot(q, k + (l == L - 1 ? own : l) * D));
 }
 
 // attend() for f32 caches and head_dim = 16 * NC, a query head at a time: its query and its output
@@ -166,15 +171,15 @@ inline void head_scores(const __m512 (&q)[NC], const float* k, int64_t L, float*
 // it stands for.
 template <int NC>
 void attend_f32(const float* q, const float* k, const float* v, float* out, const int64_t* slots,
-                const int64_t* lengths, int64_t R, int64_t H, int64_t KVH, int64_t slot_stride, int64_t kv_head_stride,
-                float scale) {
+                const int64_t* lengths, const int64_t* last, int64_t R, int64_t H, int64_t KVH, int64_t slot_stride,
+                int64_t kv_head_stride, float scale) {
   constexpr int64_t D = 16 * NC;
   const int64_t group = H / KVH, max_len = *std::max_element(lengths, lengths + R);
   const int64_t grain = std::max<int64_t>(1, 65536 / (max_len * D));
   at::parallel_for(0, R * H, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(max_len);
     for (int64_t h = begin; h < end; ++h) {  // h: row r's query head h % H, of kv head (h % H) / group
-      const int64_t r = h / H, g = h % H / group, L = lengths[r];
+      const int64_t r = h / H, g = h % H / group, L = lengths[r], own = last[r];
       const float* kh = k + slots[r] * slot_stride + g * kv_head_stride;
       const float* vh = v + slots[r] * slot_stride + g * kv_head_stride;
       __m512 qv[NC], acc[NC];
@@ -183,10 +188,10 @@ void attend_f32(const float* q, const float* k, const float* v, float* out, cons
         acc[c] = _mm512_setzero_ps();
       }
       float* sh = scores.data();
-      head_scores<NC>(qv, kh, L, sh);
+      head_scores<NC>(qv, kh, L, own, sh);
       softmax(sh, L);
       for (int64_t l = 0; l < L; ++l) {
-        const float* vl = vh + l * D;
+        const float* vl = vh + (l == L - 1 ? own : l) * D;
         prefetch_row(vl + PREFETCH_ROWS * D, D);
         const __m512 pl = _mm512_set1_ps(sh[l]);
         for (int c = 0; c < NC; ++c) acc[c] = _mm512_fmadd_ps(pl, _mm512_loadu_ps(vl + 16 * c), acc[c]);
@@ -219,7 +224,7 @@ bool with_chunks(int64_t D, F&& f) {
 namespace tandem {
 
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& slots,
-                            const at::Tensor& lengths, double scale) {
+                            const at::Tensor& lengths, double scale, const c10::optional<at::Tensor>& last) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 4 && v.sizes() == k.sizes() && q.size(2) == k.size(3),
               "decode_attention: q [R, H, D], k and v [S, KVH, C, D] expected, got ", q.sizes(), ", ", k.sizes(),
               ", ", v.sizes());
@@ -230,11 +235,15 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   TORCH_CHECK(H % KVH == 0, "decode_attention: kv heads (", KVH, ") must divide heads (", H, ")");
   TORCH_CHECK(slots.numel() == R && lengths.numel() == R, "decode_attention: one slot and one length per row");
   const at::Tensor s = slots.to(at::kLong).contiguous(), n = lengths.to(at::kLong).contiguous();
+  const at::Tensor own = last.has_value() ? last->to(at::kLong).contiguous() : n - 1;
+  TORCH_CHECK(own.numel() == R, "decode_attention: one last position per row");
   const int64_t* sp = s.data_ptr<int64_t>();
   const int64_t* np = n.data_ptr<int64_t>();
+  const int64_t* op = own.data_ptr<int64_t>();
   for (int64_t r = 0; r < R; ++r)
-    TORCH_CHECK(sp[r] >= 0 && sp[r] < S && np[r] >= 1 && np[r] <= C, "decode_attention: row ", r, " reads slot ",
-                sp[r], " length ", np[r], " outside a cache of ", S, " slots x ", C);
+    TORCH_CHECK(sp[r] >= 0 && sp[r] < S && np[r] >= 1 && np[r] <= C && op[r] >= np[r] - 1 && op[r] < C,
+                "decode_attention: row ", r, " reads slot ", sp[r], " length ", np[r], " last position ", op[r],
+                " outside a cache of ", S, " slots x ", C, " (or its last position before its length)");
   const at::Tensor qc = q.contiguous();
   at::Tensor out = at::empty_like(qc);
   if (R == 0) return out;
@@ -242,14 +251,14 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   if (q.scalar_type() == at::kFloat &&
       with_chunks(D, [&](auto nc) {
         attend_f32<decltype(nc)::value>(qc.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(),
-                                        out.data_ptr<float>(), sp, np, R, H, KVH, k.stride(0), k.stride(1),
+                                        out.data_ptr<float>(), sp, np, op, R, H, KVH, k.stride(0), k.stride(1),
                                         static_cast<float>(scale));
       }))
     return out;
 #endif
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "decode_attention", [&] {
     attend(qc.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), sp, np,
-           R, H, KVH, D, k.stride(0), k.stride(1), static_cast<float>(scale));
+           op, R, H, KVH, D, k.stride(0), k.stride(1), static_cast<float>(scale));
   });
   return out;
 }
@@ -257,7 +266,8 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
 }  // namespace tandem
 
 TORCH_LIBRARY_FRAGMENT(tandem, m) {
-  m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor slots, Tensor lengths, float scale) -> Tensor");
+  m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor slots, Tensor lengths, float scale, Tensor? last=None) "
+        "-> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tandem, CPU, m) { m.impl("decode_attention", tandem::decode_attention); }

@@ -10,6 +10,8 @@
 // Each token is its own row: it writes its K/V at positions[n] of slot slots[n], and once every
 // row of the layer has written, it attends to positions 0 .. positions[n] of its slot. Tokens of
 // one slot at consecutive positions (a verify block, a prompt chunk) thereby attend causally.
+// A tree's verify rows give rope_positions too: a node written at positions[n] but standing at
+// rope_positions[n] attends to 0 .. rope_positions[n]-1 (the chain before it) and then itself.
 //
 // A QSA layer (engine/qsa.py) also keeps its pooled keys: once every row has written, each block a
 // row completed gets the mean of its keys. A row whose complete blocks fit the budget attends like
@@ -101,19 +103,19 @@ at::Tensor attend_selected(const at::Tensor& q, const at::Tensor& keys, const at
 // a QSA layer whose p / ratio complete blocks number at most `keep`, attend positions 0 .. p in one
 // decode_attention call; a QSA layer's other rows attend their selected blocks.
 at::Tensor attend_rows(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& kpool,
-                       const at::Tensor& slots, const at::Tensor& positions, const at::Tensor& lengths, int64_t ratio,
-                       int64_t keep) {
+                       const at::Tensor& slots, const at::Tensor& positions, const at::Tensor& lengths,
+                       const c10::optional<at::Tensor>& last, int64_t ratio, int64_t keep) {
   const double scale = 1.0 / std::sqrt(static_cast<double>(kc.size(3)));
   const int64_t* sp = slots.data_ptr<int64_t>();
   const int64_t* pp = positions.data_ptr<int64_t>();
   std::vector<int64_t> within, past;
   for (int64_t n = 0; n < q.size(0); ++n) (ratio && pp[n] / ratio > keep ? past : within).push_back(n);
-  if (past.empty()) return tandem::decode_attention(q, kc, vc, slots, lengths, scale);
+  if (past.empty()) return tandem::decode_attention(q, kc, vc, slots, lengths, scale, last);
   at::Tensor out = at::empty(q.sizes(), q.options());
   if (!within.empty()) {
     const at::Tensor rows = at::tensor(within, at::kLong);
     out.index_copy_(0, rows, tandem::decode_attention(q.index_select(0, rows), kc, vc, slots.index_select(0, rows),
-                                                      lengths.index_select(0, rows), scale));
+                                                      lengths.index_select(0, rows), scale, c10::nullopt));
   }
   for (const int64_t n : past)
     out[n].copy_(attend_selected(q[n], kc[sp[n]], vc[sp[n]], kpool[sp[n]], pp[n], ratio, keep));
@@ -124,7 +126,7 @@ at::Tensor decoder_layers(const at::Tensor& hidden, const Weights& weights, cons
                           const std::vector<at::Tensor>& v_cache, const c10::List<c10::optional<at::Tensor>>& kpools,
                           at::IntArrayRef ratios, at::IntArrayRef budgets, const at::Tensor& slots,
                           const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin, int64_t heads,
-                          int64_t kv_heads, double eps) {
+                          int64_t kv_heads, double eps, const c10::optional<at::Tensor>& rope_positions) {
   const int64_t layers = static_cast<int64_t>(k_cache.size()), N = hidden.size(0);
   TORCH_CHECK(hidden.dim() == 2 && v_cache.size() == k_cache.size() &&
                   static_cast<int64_t>(weights.size()) == layers * PER_LAYER,
@@ -134,7 +136,10 @@ at::Tensor decoder_layers(const at::Tensor& hidden, const Weights& weights, cons
               "decoder_layers: one pool, ratio and budget per layer expected");
   TORCH_CHECK(slots.numel() == N && positions.numel() == N, "decoder_layers: one slot and one position per row");
   const at::Tensor s = slots.to(at::kLong).contiguous(), p = positions.to(at::kLong).contiguous();
-  const at::Tensor lengths = p + 1;
+  const bool tree = rope_positions.has_value();
+  TORCH_CHECK(!tree || rope_positions->numel() == N, "decoder_layers: one rope position per row");
+  const at::Tensor lengths = tree ? rope_positions->to(at::kLong) + 1 : p + 1;
+  const c10::optional<at::Tensor> last = tree ? c10::optional<at::Tensor>(p) : c10::nullopt;
   const int64_t* sp = s.data_ptr<int64_t>();
   const int64_t* pp = p.data_ptr<int64_t>();
   at::Tensor x = hidden.contiguous();
@@ -153,6 +158,7 @@ at::Tensor decoder_layers(const at::Tensor& hidden, const Weights& weights, cons
                                  : " and no pool: a QSA layer needs one");
     const at::Tensor kpool = pool.has_value() ? *pool : at::Tensor();
     if (ratio) {
+      TORCH_CHECK(!tree, "decoder_layers: layer ", l, " is a QSA layer: tree rows attend dense layers only");
       TORCH_CHECK(ratio >= 2 && budgets[l] % ratio == 0, "decoder_layers: layer ", l, "'s budget ", budgets[l],
                   " must be a multiple of its ratio ", ratio, " (>= 2)");
       TORCH_CHECK(kpool.dim() == 4 && kpool.is_contiguous() && kpool.scalar_type() == at::kFloat &&
@@ -175,7 +181,7 @@ at::Tensor decoder_layers(const at::Tensor& hidden, const Weights& weights, cons
     write_cache(qkv.narrow(1, heads, kv_heads), qkv.narrow(1, heads + kv_heads, kv_heads), kc, vc, sp, pp);
     if (ratio) pool_blocks(kc, kpool, sp, pp, N, ratio);
     const at::Tensor attn =
-        attend_rows(qkv.narrow(1, 0, heads), kc, vc, kpool, s, p, lengths, ratio, ratio ? budgets[l] / ratio : 0);
+        attend_rows(qkv.narrow(1, 0, heads), kc, vc, kpool, s, p, lengths, last, ratio, ratio ? budgets[l] / ratio : 0);
     x = x + linear(attn.view({N, heads * D}), weights, b, O);
     const at::Tensor gate_up = linear(tandem::rms_norm(x, required(weights, b + POST_NORM), eps), weights, b, GATE_UP);
     const int64_t inter = gate_up.size(1) / 2;
@@ -189,7 +195,7 @@ at::Tensor decoder_layers(const at::Tensor& hidden, const Weights& weights, cons
 TORCH_LIBRARY_FRAGMENT(tandem, m) {
   m.def("decoder_layers(Tensor hidden, Tensor?[] weights, Tensor[] k_cache, Tensor[] v_cache, Tensor?[] kpools, "
         "int[] ratios, int[] budgets, Tensor slots, Tensor positions, Tensor cos, Tensor sin, int heads, int kv_heads, "
-        "float eps) -> Tensor");
+        "float eps, Tensor? rope_positions=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tandem, CPU, m) { m.impl("decoder_layers", decoder_layers); }

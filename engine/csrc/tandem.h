@@ -21,9 +21,9 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 // Rotates x [N, H, D] in place (unit stride along D); cos, sin [N, D].
 void rope_(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin);
 
-// q [R, H, D], one query per row, against positions 0 .. lengths[r]-1 of slot slots[r] of a cache
-// layer k, v [S, KVH, C, D] -> [R, H, D].
+// q [R, H, D], one query per row, against positions 0 .. lengths[r]-2 and last[r] (default
+// lengths[r]-1) of slot slots[r] of a cache layer k, v [S, KVH, C, D] -> [R, H, D].
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& slots,
-                            const at::Tensor& lengths, double scale);
+                            const at::Tensor& lengths, double scale, const c10::optional<at::Tensor>& last);
 
 }  // namespace tandem

@@ -137,6 +137,22 @@ def test_a_verify_row_attends_with_the_same_bits_as_the_decode_row_it_stands_for
         assert torch.equal(together[r], alone[0]), r
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("length", [1, 16, 17, 40])  # its own key alone, ending a block of 16, past one
+def test_a_tree_node_attends_with_the_bits_of_the_chain_node_it_stands_for(dtype, length):
+    # A sibling's K/V lies at a scratch position past the chain's; with `last` naming it, it attends
+    # the prefix and itself exactly as it would from the chain's position length-1.
+    torch.manual_seed(4)
+    k, v = torch.randn(2, 3, 64, 64).to(dtype), torch.randn(2, 3, 64, 64).to(dtype)
+    q = torch.randn(1, 9, 64).to(dtype)
+    chain = kernels.decode_attention(q, k, v, torch.tensor([1]), torch.tensor([length]), 0.125)
+    scratch = length + 6
+    k[1, :, scratch], v[1, :, scratch] = k[1, :, length - 1], v[1, :, length - 1]
+    k[1, :, length - 1], v[1, :, length - 1] = torch.randn(3, 64), torch.randn(3, 64)  # another node's
+    tree = kernels.decode_attention(q, k, v, torch.tensor([1]), torch.tensor([length]), 0.125, torch.tensor([scratch]))
+    assert torch.equal(tree, chain)
+
+
 def test_decode_attention_refuses_a_row_outside_the_cache():
     cache = torch.zeros(2, 1, 8, 4)
     with pytest.raises(RuntimeError, match="row 0 reads slot 2 length 3"):

@@ -65,10 +65,11 @@ def test_speculative_greedy_equals_plain_greedy(request, plain_greedy, reference
     assert steps[-1].request.draft_n > 0, "the drafter never proposed anything: nothing was verified"
 
 
-def test_slots_that_stop_drafting_at_different_depths_keep_their_own_drafts(plain_greedy, reference_logits):
+def test_slots_that_draft_trees_of_different_depths_keep_their_own_drafts(plain_greedy, reference_logits):
     # p_min 0.5, the server's default: each step some slots stop drafting early (an unsure draft)
-    # while others go on, so each depth drafts for a different set of slots.
-    spec = SpecConfig(type="draft-mtp", draft_model=str(MTP_DRAFT), n_max=3, p_min=0.5)
+    # while others go on, so each depth drafts for a different set of slots. Each depth's token has
+    # up to two siblings, so the verify rows are trees: a kept sibling's K/V moves down to its place.
+    spec = SpecConfig(type="draft-mtp", draft_model=str(MTP_DRAFT), n_max=3, p_min=0.5, width=3, p_sibling=0.05)
     engine = Engine.load(EngineConfig(model="default", ctx_size=3 * 1024, parallel=3, spec=spec))
     prompts = PROMPTS
     together = run_together(engine, [plain_greedy(p)[0] for p in prompts], GREEDY)
@@ -79,6 +80,7 @@ def test_slots_that_stop_drafting_at_different_depths_keep_their_own_drafts(plai
     drafted, accepted = engine.stats.drafted_at, engine.stats.accepted_at
     assert sum(drafted) > sum(accepted) > 0
     assert drafted[0] > drafted[2], "no draft stopped early: p_min never split the slots"
+    assert engine.stats.siblings_kept > 0, "no sibling was ever kept: the trees were never tested"
 
 
 def test_rejected_drafts_leave_exactly_the_accepted_tokens_in_the_cache(ngram_engine):

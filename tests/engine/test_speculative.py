@@ -2,9 +2,11 @@
 first mismatch."""
 from __future__ import annotations
 
+import pytest
 import torch
 from scipy.stats import chisquare
 
+from engine.request import Draft
 from engine.speculative import accept_greedy, accept_sampled
 
 DRAWS = 50_000
@@ -16,6 +18,17 @@ def test_greedy_keeps_drafts_up_to_the_first_mismatch_then_adds_the_target_token
     assert accept_greedy([5, 6, 7], [5, 6, 7, 1]).tokens == [5, 6, 7, 1]
     assert accept_greedy([5, 6, 7], [4, 6, 7, 1]).tokens == [4]
     assert accept_greedy([], [3]).tokens == [3]
+
+
+def test_greedy_keeps_the_sibling_the_target_chose_then_the_targets_token_at_its_row():
+    draft = Draft([5, 6, 7], siblings=[(0, 8), (1, 4), (1, 9)])  # rows: 0 last, 1-3 chain, 4-6 siblings
+    # The target rejects 6 at depth 1 for 9, the second sibling there (row 6), and follows 9 with 2.
+    verdict = accept_greedy([5, 6, 7], [5, 9, 0, 0, 0, 0, 2], draft)
+    assert (verdict.accepted, verdict.tokens, verdict.rows) == (2, [5, 9, 2], [0, 1, 6])
+    # No sibling matches: the target's own token, as for a chain.
+    assert accept_greedy([5, 6, 7], [3, 0, 0, 0, 0, 0, 0], draft).tokens == [3]
+    # The chain is kept whole: siblings play no part.
+    assert accept_greedy([5, 6, 7], [5, 6, 7, 1, 0, 0, 0], draft).rows == [0, 1, 2, 3]
 
 
 def first_tokens(p: torch.Tensor, q: torch.Tensor, seed: int) -> torch.Tensor:
@@ -41,6 +54,29 @@ def test_sampled_acceptance_reproduces_the_target_distribution():
     p = torch.tensor([0.40, 0.25, 0.15, 0.10, 0.06, 0.04])
     q = torch.tensor([0.10, 0.10, 0.40, 0.05, 0.30, 0.05])
     assert_matches(first_tokens(p, q, seed=1), p)
+
+
+@pytest.mark.parametrize("siblings", [[1], [4, 1]])
+def test_siblings_tried_after_a_rejected_draft_keep_the_target_distribution(siblings):
+    # The draft is drawn from q, its siblings fixed tokens (whatever the draft was: a sibling equal
+    # to it is skipped, as the drafter never proposes one); each sibling's row has its own p.
+    p = torch.tensor([0.40, 0.25, 0.15, 0.10, 0.06, 0.04])
+    q = torch.tensor([0.10, 0.10, 0.40, 0.05, 0.30, 0.05])
+    after = torch.tensor([0.0, 0.0, 0.0, 0.0, 0.0, 1.0])  # the target's next token after any sibling: 5
+    g = torch.Generator().manual_seed(5)
+    drafts = torch.multinomial(q, DRAWS, replacement=True, generator=g)
+    out, kept = torch.empty(DRAWS, dtype=torch.long), 0
+    for i in range(DRAWS):
+        d = int(drafts[i])
+        draft = Draft([d], q[None], [(0, s) for s in siblings if s != d])
+        rows = torch.stack([p, p] + [after] * len(draft.siblings))
+        verdict = accept_sampled([d], rows, q[None], g, draft)
+        out[i] = verdict.tokens[0]
+        if verdict.rows[-1] > 1:
+            kept += 1
+            assert verdict.tokens[1] == 5, "a kept sibling is followed by the target's token at its own row"
+    assert kept > 0, "no sibling was ever kept: the rule was not exercised"
+    assert_matches(out, p)
 
 
 def test_drafts_the_target_rules_out_are_never_emitted():

@@ -24,7 +24,8 @@ def servers(start_server, tiny_model):
 
 @pytest.fixture(scope="module")
 def combined(start_server, tiny_model, tmp_path_factory):
-    """A server with draft-mtp-ngram (by its alias) and an untrained MTP draft for the tiny model."""
+    """A server with draft-mtp-ngram (by its alias) and an untrained MTP draft for the tiny model,
+    verifying siblings beside its chains."""
     from engine import mtp
     from engine.weights import open_model
     from tests.engine.test_mtp import save_draft
@@ -32,8 +33,10 @@ def combined(start_server, tiny_model, tmp_path_factory):
     tensors = files.load_tensors()
     draft = tmp_path_factory.mktemp("draft") / "draft.safetensors"
     save_draft(draft, files.config, tensors, mtp.target_fingerprint(files.config, tensors["model.embed_tokens.weight"]))
+    # Siblings too (three candidates per depth, however unlikely): every verify row is a tree.
     return start_server(["-m", str(tiny_model), "-c", "1024", "-np", "1", "--alias", "tiny", "--spec-type", "mtp-ngram",
-                         "-md", str(draft), "--spec-ngram-size-n", "2"])
+                         "-md", str(draft), "--spec-ngram-size-n", "2", "--spec-draft-width", "3",
+                         "--spec-draft-p-sibling", "0"])
 
 
 def post(server, **extra):
@@ -113,13 +116,14 @@ def test_a_server_that_does_not_speculate_ignores_request_limits(servers):
     assert post(plain, **{"speculative.n_max": -1}).status_code == 400, "the ranges are checked at the edge"
 
 
-def test_combined_drafter_keeps_greedy_text_and_reports_its_type(servers, combined):
+def test_combined_drafter_with_siblings_keeps_greedy_text_and_reports_its_settings(servers, combined):
     plain, _ = servers
     got = complete(combined)
     assert got["choices"][0]["text"] == complete(plain)["choices"][0]["text"]
     assert got["timings"]["draft_n"] > 0
     with combined.client() as c:
-        assert c.get("/props").json()["speculative"]["type"] == "draft-mtp-ngram"
+        spec = c.get("/props").json()["speculative"]
+    assert (spec["type"], spec["width"], spec["p_sibling"]) == ("draft-mtp-ngram", 3, 0.0)
 
 
 def test_the_shipped_draft_with_another_target_exits_2_naming_the_fingerprint_rule(tiny_model):
