@@ -18,7 +18,8 @@ TG ceiling it allows at batch 1, where every weight is read once per token.
 --http: the servers instead, as a user meets them (bench/served.py): for each dtype, tandem's
 server plain and with the MTP draft, and llama.cpp's server on the same GGUF file; every run sends
 each prompt of the file (chat prompts on tasks the draft never saw, chat-templated once and sent as
-the same text to all) to each server in turn, up to --tg tokens or the end of text. A run's TG is
+the same text to all) to each server in turn, prompt by prompt, the first server a different one
+for each prompt, up to --tg tokens or the end of text. A run's TG is
 its tokens over its generating time; the table gives medians over runs, ratios to each system's
 plain twin and to llama.cpp's server, and accepted/drafted tokens. Several drafts (-md A B) are
 served side by side in the same runs, each row named by its path: an A/B of drafts on one host state;
@@ -201,8 +202,15 @@ def http_main(args: argparse.Namespace) -> int:
                 served.measure(s, texts[:args.lanes], 8, args.temperature, args.lanes, seed=0)
             series = [served.Series(s.name) for s in systems]
             for i in range(args.runs):
-                for s, r in zip(systems, series):
-                    sample = served.measure(s, texts, args.tg, args.temperature, args.lanes, seed=i)
+                samples = [served.Sample(0, 0.0) for _ in systems]
+                # Prompt by prompt (a lane's worth at a time), every system in turn, each group
+                # starting one system later: a slow spell of the host falls on all of them alike.
+                for g, start in enumerate(range(0, len(texts), args.lanes)):
+                    for k in range(len(systems)):
+                        j = (g + k) % len(systems)
+                        samples[j].add(served.measure(systems[j], texts[start:start + args.lanes], args.tg,
+                                                      args.temperature, args.lanes, seed=i))
+                for s, r, sample in zip(systems, series, samples):
                     r.tg.append(sample.tg)
                     r.drafted += sample.drafted
                     r.accepted += sample.accepted

@@ -34,6 +34,12 @@ class Sample:
     def tg(self) -> float:
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
 
+    def add(self, other: "Sample") -> None:
+        self.tokens += other.tokens
+        self.seconds += other.seconds
+        self.drafted += other.drafted
+        self.accepted += other.accepted
+
 
 @dataclass
 class Series:

@@ -130,7 +130,8 @@ def create_app(state: ServerState, on_load_failure: Callable[[BaseException], No
                               preemptions=engine.stats.preemptions,
                               processing=sum(i.is_processing for i in infos), deferred=engine.num_waiting,
                               kv_tokens=sum(cached), kv_capacity=engine.cache.capacity, n_tokens_max=max(cached),
-                              drafted_at=list(engine.stats.drafted_at), accepted_at=list(engine.stats.accepted_at))
+                              drafted_at=list(engine.stats.drafted_at), accepted_at=list(engine.stats.accepted_at),
+                              siblings_kept=engine.stats.siblings_kept)
         return PlainTextResponse(s.metrics.render(gauges), media_type="text/plain; version=0.0.4")
 
     @app.post("/tokenize")

@@ -53,6 +53,7 @@ class EngineGauges:
     n_tokens_max: int
     drafted_at: list[int]  # per draft position: times a draft reached it
     accepted_at: list[int]  # and times it was accepted
+    siblings_kept: int = 0  # steps whose kept path ended in a sibling (--spec-draft-width)
 
 
 @dataclass
@@ -99,6 +100,8 @@ class Metrics:
              "Number of requests whose client left before they finished (counted in requests_total too)."),
             ("draft_tokens_total", self.draft_tokens, "Number of tokens drafted for speculation."),
             ("draft_tokens_accepted_total", self.draft_accepted, "Number of drafted tokens accepted."),
+            ("draft_siblings_kept_total", g.siblings_kept,
+             "Number of steps that kept a sibling where the chain's draft was rejected."),
         ]
         gauges = [
             ("n_busy_slots_per_decode", rate(g.busy_slots, g.steps), "Average number of busy slots per step."),

@@ -123,7 +123,9 @@ def test_combined_drafter_with_siblings_keeps_greedy_text_and_reports_its_settin
     assert got["timings"]["draft_n"] > 0
     with combined.client() as c:
         spec = c.get("/props").json()["speculative"]
+        metrics = c.get("/metrics").text
     assert (spec["type"], spec["width"], spec["p_sibling"]) == ("draft-mtp-ngram", 3, 0.0)
+    assert re.search(r"^tandem:draft_siblings_kept_total \d+$", metrics, re.M)
 
 
 def test_the_shipped_draft_with_another_target_exits_2_naming_the_fingerprint_rule(tiny_model):
