@@ -146,6 +146,9 @@ class Choice:
     top: float  # the row's top-1 probability, which p_min reads whether the request samples or not
     q: torch.Tensor | None  # the full-vocabulary distribution the token was drawn from, when sampled
     siblings: list[int]  # the row's next most likely tokens (not `token`) that may stand beside it
+    # The top-1 probability plus that of the next width-1 tokens of at least p_sibling: what a
+    # depth's candidates hold together, read from the row alone (never from a sampled token).
+    mass: float
 
 
 def _choose_drafts(logits: torch.Tensor, reqs: list[Request], vocab_ids: torch.Tensor | None, vocab: int,
@@ -160,7 +163,8 @@ def _choose_drafts(logits: torch.Tensor, reqs: list[Request], vocab_ids: torch.T
             full = row if vocab_ids is None else torch.full((vocab,), -math.inf).index_copy_(0, vocab_ids, row)
             q = distribution(full, req.params)
             token = sample(q, req.generator)
-        out.append(Choice(token, p[0], q, _siblings(ranked, p, token, width, p_sibling)))
+        out.append(Choice(token, p[0], q, _siblings(ranked, p, token, width, p_sibling),
+                          p[0] + sum(pt for pt in p[1:width] if pt >= p_sibling)))
     return out
 
 
@@ -263,7 +267,7 @@ class CachedDrafter(ABC):
                 chosen.siblings = item.siblings
             drafts[item.request] = chosen
         # Each depth drafts for the requests still going: a request leaves when its draft is as
-        # long as its limit or the draft's confidence falls below its p_min.
+        # long as its limit or the draft's top-1 probability falls below its p_min.
         going, depth = active, 1
         while going:
             rows_at = torch.tensor([item.row for item in going])
@@ -271,12 +275,15 @@ class CachedDrafter(ABC):
                                      self.width, self.p_sibling)
             still = []
             for item, choice in zip(going, choices):
-                if choice.top < item.request.draft_limits.p_min:
+                p_min = item.request.draft_limits.p_min
+                # Below p_min the chain goes no deeper, but a tree still verifies the depth's
+                # candidates when together they hold p_min of the draft's probability.
+                if choice.top < p_min and not (choice.siblings and choice.mass >= p_min):
                     continue
                 item.tokens.append(choice.token)
                 item.qs.append(choice.q)
                 item.add_siblings(depth - 1, choice.siblings)
-                if len(item.tokens) < item.limit:
+                if len(item.tokens) < item.limit and choice.top >= p_min:
                     still.append(item)
             if not still:
                 break

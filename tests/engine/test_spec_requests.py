@@ -3,6 +3,8 @@ combined drafter draft-mtp-ngram: greedy output stays the target's whatever the 
 drafter, drafts keep the request's limits, and a sampled draft keeps the target's distribution."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from scipy.stats import chisquare
@@ -146,11 +148,16 @@ def target_pass(engine: Engine, history: list[int]) -> tuple[torch.Tensor, torch
 
 
 @pytest.mark.parametrize("kind, p_min, branch", [("ngram-simple", 0.5, "lookup"), ("draft-mtp", 0.0, "mtp"),
-                                                 ("draft-mtp-ngram", 1.0, "lookup"), ("draft-mtp-ngram", 0.0, "mtp")])
+                                                 ("draft-mtp-ngram", 1.0, "lookup"), ("draft-mtp-ngram", 0.0, "mtp"),
+                                                 ("draft-mtp", 0.0, "tree")])
 def test_sampled_drafts_keep_the_target_distribution(tiny_model, draft, kind, p_min, branch):
     """Each drafter's first emitted token, drafted and verified DRAWS times after one history,
-    follows the target's distribution (chi-square), with the lookup's one-hot q or the MTP draft's."""
-    engine = engine_with(tiny_model, spec_of(kind, draft, p_min))
+    follows the target's distribution (chi-square), with the lookup's one-hot q or the MTP draft's,
+    and for a tree with two siblings beside the drafted token."""
+    spec = spec_of(kind, draft, p_min)
+    if branch == "tree":
+        spec = dataclasses.replace(spec, width=3, p_sibling=0.0)
+    engine = engine_with(tiny_model, spec)
     params = SamplingParams(temperature=0.7, top_k=TOP_K, max_tokens=8)
     history, y = history_with_a_lookup(engine, params)
     hidden, logits = target_pass(engine, history)
@@ -165,8 +172,9 @@ def test_sampled_drafts_keep_the_target_distribution(tiny_model, draft, kind, p_
         start = 0 if i == 0 else n - 1
         got = engine.drafter.draft([Span(req, start, n, hidden[start:n], room=8)])[req]
         assert len(got.tokens) == 1 and got.q.shape == (1, engine.model.config.vocab_size)
+        assert len(got.siblings) == (2 if branch == "tree" else 0)
         lookups += got.tokens == [y] and float(got.q[0, y]) == 1.0
-        verdict = verify(got, logits.expand(2, -1), params, req.all_ids, req.generator)
+        verdict = verify(got, logits.expand(1 + len(got.row), -1), params, req.all_ids, req.generator)
         first.append(verdict.tokens[0])
     assert (lookups == DRAWS) == (branch == "lookup")
     observed = torch.bincount(torch.tensor(first), minlength=p.numel()).double()

@@ -9,13 +9,15 @@ import torch
 from engine import kernels
 from engine import model as model_module
 from engine.batch import ForwardBatch, Row, tree_mask
-from engine.drafter import SpecConfig
+from engine.drafter import CachedDrafter, Span, SpecConfig
 from engine.engine import EngineConfig
 from engine.errors import ConfigError
 from engine.kv_cache import KVCache
 from engine.model import Transformer
 from engine.options import CompressRatios
 from engine.preflight import read_headers
+from engine.request import DraftLimits, Request
+from engine.sampling import SamplingParams
 from engine.tiny import write_tiny_model
 from engine.weights import open_model
 from tests.engine.test_parity import tiny_config
@@ -68,3 +70,37 @@ def test_siblings_need_a_draft_distribution_and_a_dense_target(tmp_path):
     with pytest.raises(ConfigError, match=r"spec_draft_width=2: must be 1 over a target with QSA layers \(ratio 4\)"):
         read_headers(EngineConfig(model=str(path), spec=spec, compress_ratios=CompressRatios.parse("all:4"),
                                   qsa_budget=16))
+
+
+class FixedDrafter(CachedDrafter):
+    """A drafter whose every row gives the same distribution over 8 tokens: `probs`."""
+    needs_hidden = False
+
+    def __init__(self, probs: list[float], width: int):
+        super().__init__(None, 8)
+        self.logits = torch.tensor(probs).log()
+        self.width, self.p_sibling = width, 0.1
+
+    def catch_up_rows(self, span):
+        return Row(span.request.slot, span.start, span.request.all_ids[span.start:span.end + 1]), None
+
+    def run(self, depth, rows, hidden, at=None):
+        return None, self.logits.expand(len(rows) if at is None else len(at), -1)
+
+
+@pytest.mark.parametrize("probs, width, tokens, siblings", [
+    # Below p_min 0.5 alone, the top-1 and its siblings of >= 0.1 hold 0.65: they are verified, and
+    # the chain goes no deeper.
+    ([0.40, 0.15, 0.10, 0.09, 0.09, 0.09, 0.04, 0.04], 3, [0], [(0, 1), (0, 2)]),
+    # A chain drafts nothing there.
+    ([0.40, 0.15, 0.10, 0.09, 0.09, 0.09, 0.04, 0.04], 1, [], []),
+    # Together still below p_min: nothing.
+    ([0.30, 0.12, 0.09, 0.09, 0.1, 0.1, 0.1, 0.1], 2, [], []),
+    # A confident top-1 chains on to n_max, a sibling beside each depth.
+    ([0.60, 0.15, 0.05, 0.05, 0.05, 0.04, 0.03, 0.03], 2, [0, 0, 0], [(0, 1), (1, 1), (2, 1)]),
+])
+def test_a_depth_below_p_min_is_verified_when_its_candidates_hold_p_min_together(probs, width, tokens, siblings):
+    req = Request("r", [5, 6, 7], SamplingParams(temperature=0), on_output=None, slot=0, num_computed=3,
+                  output_ids=[3], draft_limits=DraftLimits(n_max=3, n_min=0, p_min=0.5))
+    draft = FixedDrafter(probs, width).draft([Span(req, 0, 3, None, room=16)])[req]
+    assert (draft.tokens, draft.siblings) == (tokens, siblings)
