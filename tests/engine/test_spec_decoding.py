@@ -54,7 +54,7 @@ def reference_logits(hf_default_model):
     return logits
 
 
-@pytest.mark.parametrize("prompt", PROMPTS)
+@pytest.mark.parametrize("prompt", [PROMPTS[0], PROMPTS[2]])  # PROMPTS[1] runs with trees below
 @pytest.mark.parametrize("drafter", ["ngram_engine", "mtp_engine"])
 def test_speculative_greedy_equals_plain_greedy(request, plain_greedy, reference_logits, drafter, prompt):
     ids, plain = plain_greedy(prompt)

@@ -145,7 +145,8 @@ def test_the_main_command_serves_the_shipped_draft_on_four_unified_slots(start_s
             got = whole(c, chat(QUESTIONS[3]))
     finally:
         product.kill()
-    assert (props["speculative"]["type"], props["speculative"]["draft_model"]) == ("draft-mtp-ngram", str(DEFAULT_DRAFT))
+    assert (props["speculative"]["type"], props["speculative"]["draft_model"], props["speculative"]["width"]) == \
+        ("draft-mtp-ngram", str(DEFAULT_DRAFT), 3)
     assert (props["dtype"], props["total_slots"], props["kv_unified"]) == ("f32", 4, True)
     assert [(s["n_ctx"], s["speculative"]) for s in slots] == [(props["n_ctx"], True)] * 4
     with server.client() as c:
