@@ -54,20 +54,17 @@ def accept_greedy(drafts: list[int], target_argmax: list[int], draft: Draft | No
     return Verdict(n, drafts[:n] + [target_argmax[n]])
 
 
-def accept_sampled(drafts: list[int], p: torch.Tensor, q: torch.Tensor, generator: torch.Generator,
+def accept_sampled(drafts: list[int], p, q: torch.Tensor, generator: torch.Generator,
                    draft: Draft | None = None) -> Verdict:
-    """p: [rows, vocab] target distributions at each verified row (the chain's k+1, then the
-    siblings'); q: [k, vocab] the draft distributions the chain's drafts were drawn from."""
+    """p: the target's distribution [vocab] at each verified row (the chain's k+1, then the
+    siblings'), as a tensor [rows, vocab] or anything indexed by row: the walk reads only the rows it
+    reaches (the chain's up to its first rejection, a kept sibling's), so a lazy p computes no
+    other; q: [k, vocab] the draft distributions the chain's drafts were drawn from."""
     k = len(drafts)
-    if k:
-        ids = torch.tensor(drafts)
-        rows = torch.arange(k)
-        ratio = p[rows, ids] / q[rows, ids]
-        u = torch.rand(k, generator=generator)
-        rejected = torch.nonzero(u >= ratio).flatten()
-        n = int(rejected[0]) if rejected.numel() else k
-    else:
-        n = 0
+    u = torch.rand(k, generator=generator) if k else None
+    n = 0
+    while n < k and float(u[n]) < float(p[n][drafts[n]] / q[n, drafts[n]]):
+        n += 1
     if n == k:
         return Verdict(n, drafts + [sample(p[k], generator)])
     dist = _residual(p[n], q[n])
@@ -100,6 +97,20 @@ def verify(draft: Draft, logits: torch.Tensor, params: SamplingParams, history: 
         argmax = [int(adjust_logits(row, params, history + path).argmax()) if params.has_penalties
                   or params.logit_bias else int(row.argmax()) for row, path in zip(logits, paths)]
         return accept_greedy(drafts, argmax, draft)
-    p = torch.stack([distribution(adjust_logits(row, params, history + path), params)
-                     for row, path in zip(logits, paths)])
-    return accept_sampled(drafts, p, draft.q if drafts else p[:0], generator, draft)
+    return accept_sampled(drafts, _RowDistributions(logits, params, history, paths), draft.q, generator, draft)
+
+
+class _RowDistributions:
+    """The target's distribution at each verify row, computed when first read: a row's costs a
+    softmax and, with top-p, a sort over the vocabulary (about 1 ms here), and a verdict reads only
+    the rows its walk reaches."""
+
+    def __init__(self, logits: torch.Tensor, params: SamplingParams, history: list[int], paths: list[list[int]]):
+        self.logits, self.params, self.history, self.paths = logits, params, history, paths
+        self.rows: dict[int, torch.Tensor] = {}
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if i not in self.rows:
+            self.rows[i] = distribution(adjust_logits(self.logits[i], self.params, self.history + self.paths[i]),
+                                        self.params)
+        return self.rows[i]
