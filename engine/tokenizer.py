@@ -1,11 +1,25 @@
 """Tokenizer and chat template, from an HF directory or from GGUF metadata (via transformers)."""
 from __future__ import annotations
 
+import functools
 import logging
 from pathlib import Path
 
 from engine.errors import ConfigError
 from engine.weights import ModelFiles
+
+
+@functools.lru_cache(maxsize=4)
+def _hf_tokenizer(path: Path, gguf: bool, mtime_ns: int):
+    """transformers' tokenizer for a model, made once per process and file version: converting a
+    GGUF vocabulary parses the whole file's metadata, seconds each time, and an engine reloaded in
+    the same process (tests, the bench) would pay it again. Shared: nothing here mutates it."""
+    from transformers import AutoTokenizer
+    # transformers logs at length while it converts a GGUF vocabulary; none of it is actionable.
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    if gguf:
+        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    return AutoTokenizer.from_pretrained(str(path))
 
 
 class Tokenizer:
@@ -15,13 +29,7 @@ class Tokenizer:
 
     @classmethod
     def load(cls, files: ModelFiles, chat_template_file: str | Path | None = None) -> "Tokenizer":
-        from transformers import AutoTokenizer
-        # transformers logs at length while it converts a GGUF vocabulary; none of it is actionable.
-        logging.getLogger("transformers").setLevel(logging.ERROR)
-        if files.format == "gguf":
-            hf = AutoTokenizer.from_pretrained(str(files.path.parent), gguf_file=files.path.name)
-        else:
-            hf = AutoTokenizer.from_pretrained(str(files.path))
+        hf = _hf_tokenizer(files.path, files.format == "gguf", files.path.stat().st_mtime_ns)
         template = None
         if chat_template_file is not None:
             path = Path(chat_template_file)

@@ -6,6 +6,8 @@ asked to keep blocks, a GGUF file's Q4_0 / Q4_1 / Q8_0 matrices as the file stor
 """
 from __future__ import annotations
 
+import functools
+
 import importlib.metadata
 import json
 import logging
@@ -208,6 +210,15 @@ def read_gguf_metadata(path: Path):
 
 
 def _open_gguf(path: Path) -> ModelFiles:
+    stat = path.stat()
+    return _open_gguf_version(path, stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=4)
+def _open_gguf_version(path: Path, size: int, mtime_ns: int) -> ModelFiles:
+    """A GGUF file's headers, read once per process and file version: parsing its metadata (the
+    vocabulary's strings with it) takes seconds, and the server's preflight, the engine and the
+    tests open the same file again and again. The reader maps the file read-only: sharing is safe."""
     reader, meta = read_gguf_metadata(path)
     gguf_shapes = {t.name: tuple(int(x) for x in reversed(t.shape)) for t in reader.tensors}
     config = from_gguf_metadata(meta, gguf_shapes)

@@ -18,7 +18,7 @@ PROMPTS = [
     "Describe the city of Paris for a tourist.",
     "Summarise this: the tide comes in, the tide goes out, and the shore keeps every shell the tide leaves.",
 ]
-GREEDY = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True)
+GREEDY = SamplingParams(temperature=0, max_tokens=80, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +60,7 @@ def test_speculative_greedy_equals_plain_greedy(request, plain_greedy, reference
     ids, plain = plain_greedy(prompt)
     steps = list(request.getfixturevalue(drafter).generate(ids, GREEDY, cache_prompt=False))
     speculative = [t for s in steps for t in s.token_ids]
-    assert len(speculative) == len(plain) == 128
+    assert len(speculative) == len(plain) == GREEDY.max_tokens
     assert_same_greedy(speculative, plain, ids, reference_logits)
     assert steps[-1].request.draft_n > 0, "the drafter never proposed anything: nothing was verified"
 
@@ -75,7 +75,7 @@ def test_slots_that_draft_trees_of_different_depths_keep_their_own_drafts(plain_
     together = run_together(engine, [plain_greedy(p)[0] for p in prompts], GREEDY)
     for prompt, speculative in zip(prompts, together):
         ids, plain = plain_greedy(prompt)
-        assert len(speculative) == len(plain) == 128
+        assert len(speculative) == len(plain) == GREEDY.max_tokens
         assert_same_greedy(speculative, plain, ids, reference_logits)
     drafted, accepted = engine.stats.drafted_at, engine.stats.accepted_at
     assert sum(drafted) > sum(accepted) > 0

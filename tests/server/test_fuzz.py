@@ -9,7 +9,7 @@ import httpx
 import schemathesis
 from hypothesis import HealthCheck, Phase, given, settings, strategies as st
 
-EXAMPLES = 200
+EXAMPLES = 120
 BUDGET_S = 90  # examples past it are not sent
 
 
