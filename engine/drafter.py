@@ -216,10 +216,11 @@ class CachedDrafter(ABC):
     committed span, then draft one token per forward, batched across requests."""
     needs_hidden: bool
     vocab_ids: torch.Tensor | None = None  # full-vocabulary id of each logit, when over a subset
-    width, p_sibling = 1, 0.0  # SpecConfig's: candidates per depth, and a sibling's least probability
 
-    def __init__(self, cache, vocab: int):
+    def __init__(self, cache, vocab: int, width: int = 1, p_sibling: float = 0.0):
+        """width, p_sibling: SpecConfig's, candidates per depth and a sibling's least probability."""
         self.cache, self.vocab = cache, vocab
+        self.width, self.p_sibling = width, p_sibling
 
     @property
     def cached(self) -> "CachedDrafter":
@@ -329,8 +330,8 @@ class MTPDrafter(CachedDrafter):
     """The detached MTP draft: position i of its cache holds (target hidden h_i, token x_{i+1})."""
     needs_hidden = True
 
-    def __init__(self, draft, target, cache, vocab: int):
-        super().__init__(cache, vocab)
+    def __init__(self, draft, target, cache, vocab: int, width: int = 1, p_sibling: float = 0.0):
+        super().__init__(cache, vocab, width, p_sibling)
         self.model, self.target = draft, target
         self.vocab_ids = draft.vocab_ids
         self.embed_tokens = target.embed_tokens if draft.embed is None else draft.embed_tokens
@@ -378,8 +379,8 @@ class DraftModelDrafter(CachedDrafter):
     """A smaller model with the same vocabulary, run autoregressively on its own cache."""
     needs_hidden = False
 
-    def __init__(self, model, cache, vocab: int):
-        super().__init__(cache, vocab)
+    def __init__(self, model, cache, vocab: int, width: int = 1, p_sibling: float = 0.0):
+        super().__init__(cache, vocab, width, p_sibling)
         self.model = model
 
     def catch_up_rows(self, span: Span):
@@ -432,8 +433,7 @@ def load_drafter(spec: SpecConfig, target_model, target_tensors: dict, dtype: st
                              embed)
         cache = KVCache(len(specs), slots, ctx_per_slot, config.num_kv_heads, config.head_dim, compute_dtype(dtype),
                         specs=specs, devices=[device] * len(specs))
-        drafter = MTPDrafter(draft, target_model, cache, config.vocab_size)
-        drafter.width, drafter.p_sibling = spec.width, spec.p_sibling
+        drafter = MTPDrafter(draft, target_model, cache, config.vocab_size, spec.width, spec.p_sibling)
         return MTPNgramDrafter(drafter, spec.ngram_n) if spec.type == "draft-mtp-ngram" else drafter
     files = open_model(spec.draft_model)
     c = files.config
@@ -442,6 +442,4 @@ def load_drafter(spec: SpecConfig, target_model, target_tensors: dict, dtype: st
                         placement=Placement.single(c.num_layers, device))
     cache = KVCache(c.num_layers, slots, ctx_per_slot, c.num_kv_heads, c.head_dim, compute_dtype(dtype),
                     specs=model.specs, devices=[device] * c.num_layers)
-    drafter = DraftModelDrafter(model, cache, config.vocab_size)
-    drafter.width, drafter.p_sibling = spec.width, spec.p_sibling
-    return drafter
+    return DraftModelDrafter(model, cache, config.vocab_size, spec.width, spec.p_sibling)

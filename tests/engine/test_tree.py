@@ -77,9 +77,8 @@ class FixedDrafter(CachedDrafter):
     needs_hidden = False
 
     def __init__(self, probs: list[float], width: int):
-        super().__init__(None, 8)
+        super().__init__(None, 8, width, p_sibling=0.1)
         self.logits = torch.tensor(probs).log()
-        self.width, self.p_sibling = width, 0.1
 
     def catch_up_rows(self, span):
         return Row(span.request.slot, span.start, span.request.all_ids[span.start:span.end + 1]), None
