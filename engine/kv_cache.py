@@ -109,10 +109,10 @@ class _Stores:
         """Position src's K and V to position dst of the slot, in every layer: an accepted tree
         node's, from its scratch position down to the committed one. Dense layers only: a QSA
         layer's pooled keys are not recomputed (trees are refused over QSA targets)."""
-        for layer in range(len(self.k)):
-            a, b = self._at(layer, slot, dst), self._at(layer, slot, src)
-            _copy(self.k[layer], a, b)
-            _copy(self.v[layer], a, b)
+        a, b = self._at(slot, dst), self._at(slot, src)
+        for stores in (self.k, self.v):
+            for store in stores:
+                _copy(store, a, b)
 
     @property
     def nbytes(self) -> int:
@@ -153,7 +153,8 @@ class KVCache(_Stores):
     def capacity(self) -> int:
         return self.num_slots * self.ctx_per_slot
 
-    def _at(self, layer: int, slot: int, position: int) -> tuple:
+    def _at(self, slot: int, position: int) -> tuple:
+        """The index of a slot's position in every layer's storage."""
         return slot, slice(None), position
 
     def ensure(self, slot: int, length: int) -> bool:
@@ -287,7 +288,7 @@ class PagedKVCache(_Stores):
         if len(self.pool.pages[slot]) != before:
             self._reindex(slot)
 
-    def _at(self, layer: int, slot: int, position: int) -> tuple:
+    def _at(self, slot: int, position: int) -> tuple:
         return slice(None), int(self._index[slot][position])
 
     def _reindex(self, slot: int) -> None:
