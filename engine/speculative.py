@@ -67,23 +67,19 @@ def accept_sampled(drafts: list[int], p, q: torch.Tensor, generator: torch.Gener
         n += 1
     if n == k:
         return Verdict(n, drafts + [sample(p[k], generator)])
-    dist = _residual(p[n], q[n])
+    # p == q leaves no residual mass; a rejection then has probability 0, but rounding can still
+    # reach here, and p itself is the right distribution then; likewise after a sibling's rejection.
+    dist = _normalised((p[n] - q[n]).clamp(min=0), p[n])
     for row, token in _sibling_rows(draft, n) if draft is not None else ():
         if float(torch.rand(1, generator=generator)) < float(dist[token]):
             return Verdict(n + 1, drafts[:n] + [token, sample(p[row], generator)], list(range(n + 1)) + [row])
-        dist = dist.clone()
-        dist[token] = 0
-        total = dist.sum()
-        dist = dist / total if total > 0 else p[n]
+        dist = _normalised(dist.index_fill(0, torch.tensor([token]), 0), p[n])
     return Verdict(n, drafts[:n] + [sample(dist, generator)])
 
 
-def _residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    residual = (p - q).clamp(min=0)
-    total = residual.sum()
-    # p == q leaves no residual mass; a rejection then has probability 0, but rounding can still
-    # reach here, and p itself is the right distribution in that case.
-    return residual / total if total > 0 else p
+def _normalised(mass: torch.Tensor, fallback: torch.Tensor) -> torch.Tensor:
+    total = mass.sum()
+    return mass / total if total > 0 else fallback
 
 
 def verify(draft: Draft, logits: torch.Tensor, params: SamplingParams, history: list[int],
