@@ -438,12 +438,13 @@ class Engine:
         kept = None  # the row's tokens committed, by index, where they are not its first ones
         if p.decodes:
             verdict = self._verify(req, out.logits[at:at + len(tokens)])
+            rows = torch.tensor(verdict.rows)
             if verdict.rows[-1] != verdict.accepted:  # a sibling was kept: its K/V moves to its place
-                kept = torch.tensor(verdict.rows)
+                kept = rows
                 self.stats.siblings_kept += 1
                 self.cache.move(req.slot, p.row.start + verdict.rows[-1], p.row.start + verdict.accepted)
             self.scheduler.commit(req, [tokens[r] for r in verdict.rows])
-            self._emit(req, verdict.tokens, out.logits[at + torch.tensor(verdict.rows)], out.now)
+            self._emit(req, verdict.tokens, out.logits[at + rows], out.now)
         else:
             self.scheduler.commit(req, tokens)
             if p.samples:
