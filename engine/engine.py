@@ -10,7 +10,7 @@ import queue
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -37,6 +37,9 @@ from engine.tokenizer import Tokenizer
 from engine.weights import ModelFiles
 
 log = logging.getLogger("tandem.engine")
+# Past spec.max_batch a request owes its draft the catch-up of the positions it commits; at this many
+# owed positions the catch-up runs anyway, which bounds the hidden states kept per request.
+CATCH_UP_CHUNK = 128
 
 
 @dataclass(frozen=True)
@@ -158,6 +161,8 @@ class Engine:
     _thread: threading.Thread | None = None
     _stopping: bool = False
     drafter: Drafter | None = None  # when speculation is on
+    # Per request, the committed span its drafter has not caught up on yet, and the slot it lies in.
+    _owed: dict[Request, tuple[int, Span]] = field(default_factory=dict)
     stats: EngineStats = field(default_factory=EngineStats)
     devices: list[DeviceUsage] = field(default_factory=list)  # what each device holds, as loaded
     remote: RemoteStages | None = None  # stages 1.. in worker processes (-pp)
@@ -387,16 +392,34 @@ class Engine:
                 log.exception("request %s failed in its step", p.request.id)
                 self._fail(p.request)
         if self.drafter is not None:
-            self._draft([s for s in spans if s is not None and s.request.status is Status.RUNNING])
+            self._draft([s for s in spans if s is not None and s.request.status is Status.RUNNING],
+                        [p.request for p in plan.rows if p.request.status is Status.FINISHED])
 
-    def _draft(self, spans: list[Span]) -> None:
+    def _draft(self, spans: list[Span], finished: list[Request]) -> None:
         """Drafts for the next step, batched; when the batch fails, each request drafts alone so
         that only the one that fails loses its stream. Past spec.max_batch decoding requests no
-        request drafts, but a drafter with a cache still sees every committed position."""
+        request drafts, and a drafter with a cache catches up later, in one forward: when the
+        request drafts again, owes CATCH_UP_CHUNK positions, or finishes (`finished`: this step's),
+        so that its slot's prefix serves a next turn with the draft's cache whole."""
         limit = self.config.spec.max_batch
-        if limit and sum(not s.request.prefilling for s in spans) > limit:
-            for span in spans:
-                span.room = 0
+        busy = bool(limit) and sum(not s.request.prefilling for s in spans) > limit
+        if self._owed:  # a request preempted or cancelled while it owed leaves a gap: acceptance, not correctness
+            self._owed = {req: owed for req, owed in self._owed.items()
+                          if req.status is Status.RUNNING or req in finished}
+        ready = [self._owed.pop(req)[1] for req in finished if req in self._owed]
+        for span in spans:
+            merged = self._with_owed(span)
+            if busy:
+                merged.room = 0
+                if self.drafter.cached is not None and merged.end - merged.start < CATCH_UP_CHUNK:
+                    # A view of this step's hidden states would keep all of them alive.
+                    owed = merged if merged is not span else replace(span, hidden=span.hidden.clone())
+                    self._owed[span.request] = span.request.slot, owed
+                    continue
+            ready.append(merged)
+        if not ready:
+            return
+        spans = ready
         try:
             drafts = self.drafter.draft(spans)
         except Exception:
@@ -410,6 +433,14 @@ class Engine:
                     self._fail(span.request)
         for req, draft in drafts.items():
             req.draft = draft
+
+    def _with_owed(self, span: Span) -> Span:
+        """The span, preceded by the positions its request owes the drafter where they lead up to
+        it in the same slot (a preempted request resumes by recomputing, and owes nothing before)."""
+        slot, owed = self._owed.pop(span.request, (None, None))
+        if owed is None or slot != span.request.slot or owed.end != span.start:
+            return span
+        return replace(span, start=owed.start, hidden=torch.cat([owed.hidden, span.hidden]))
 
     def _forward(self, rows: list[PlannedRow]) -> "StepResult":
         probes = [p.request.probe if p.request.probe is not None

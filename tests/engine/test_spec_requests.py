@@ -204,3 +204,40 @@ def test_past_max_batch_decoding_requests_no_request_drafts_and_output_stays_the
     # Alone, the same request drafts again: the limit counts the requests decoding now.
     tokens, req, _ = run(engine, ids, GREEDY)
     assert tokens == expected and req.draft_n > 0
+
+
+def test_past_max_batch_the_draft_catches_up_later_in_one_forward_and_its_cache_ends_whole(tiny_model, draft, plain):
+    """While two requests decode past max_batch 1 the drafter is not called at all; the positions
+    they commit meanwhile are caught up when the one left drafts again, and when the other
+    finishes. Either way the draft's cache ends as it does for each request served alone."""
+    spec = SpecConfig(type="draft-mtp", draft_model=str(draft), n_max=3, p_min=0.0, max_batch=1)
+    ids = plain.tokenizer.encode(PROMPT)
+    lengths = [GREEDY, dataclasses.replace(GREEDY, max_tokens=12)]
+
+    def serve(params: list[SamplingParams]):
+        engine = Engine.load(EngineConfig(model=str(tiny_model), ctx_size=512, parallel=2, spec=spec))
+        drafted, busy_calls = engine.drafter.draft, []
+        outs = [[] for _ in params]
+        reqs = [engine.submit(ids, p, lambda o, out=out: out.extend(o.token_ids), cache_prompt=False)
+                for p, out in zip(params, outs)]
+        engine._drain_inbox()
+
+        def draft(spans, *args):
+            busy_calls.append(len(reqs) > 1 and all(r.finish_reason is None and not r.prefilling for r in reqs))
+            return drafted(spans, *args)
+        engine.drafter.draft = draft
+        steps_together = 0
+        while any(r.finish_reason is None for r in reqs):
+            steps_together += len(reqs) > 1 and all(r.finish_reason is None and not r.prefilling for r in reqs)
+            engine.step()
+        k = engine.drafter.cached.cache.k[0]  # [slots, kv_heads, ctx, head_dim]
+        return outs, [k[r.slot].clone() for r in reqs], steps_together, busy_calls
+
+    outs, caches, steps_together, busy_calls = serve(lengths)
+    assert steps_together >= 5 and not any(busy_calls), "no drafter call while both decode"
+    for params, out, cache in zip(lengths, outs, caches):
+        (alone,), (cache_alone,), _, _ = serve([params])
+        assert out == alone
+        # Up to the last step's span, which no finished request catches up (its slot is free).
+        caught_up = len(ids) + len(out) - 1 - (spec.n_max + 1)
+        torch.testing.assert_close(cache[:, :caught_up], cache_alone[:, :caught_up], rtol=0, atol=1e-5)
