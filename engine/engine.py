@@ -361,6 +361,7 @@ class Engine:
             if kind == "add":
                 self.scheduler.add(req)
             elif req.status is not Status.FINISHED:
+                self._owed.pop(req, None)
                 self._finish(req, "cancelled")
 
     def step(self) -> None:
@@ -400,22 +401,27 @@ class Engine:
         that only the one that fails loses its stream. Past spec.max_batch decoding requests no
         request drafts, and a drafter with a cache catches up later, in one forward: when the
         request drafts again, owes CATCH_UP_CHUNK positions, or finishes (`finished`: this step's),
-        so that its slot's prefix serves a next turn with the draft's cache whole."""
+        so that its slot's prefix serves a next turn as it did before (all but the last step's span)."""
         limit = self.config.spec.max_batch
         busy = bool(limit) and sum(not s.request.prefilling for s in spans) > limit
-        if self._owed:  # a request preempted or cancelled while it owed leaves a gap: acceptance, not correctness
+        if self._owed:  # a request preempted while it owed leaves a gap: acceptance, not correctness
             self._owed = {req: owed for req, owed in self._owed.items()
                           if req.status is Status.RUNNING or req in finished}
         ready = [self._owed.pop(req)[1] for req in finished if req in self._owed]
         for span in spans:
-            merged = self._with_owed(span)
-            if busy:
-                merged.room = 0
-                if self.drafter.cached is not None and merged.end - merged.start < CATCH_UP_CHUNK:
-                    # A view of this step's hidden states would keep all of them alive.
-                    owed = merged if merged is not span else replace(span, hidden=span.hidden.clone())
-                    self._owed[span.request] = span.request.slot, owed
-                    continue
+            try:
+                merged = self._with_owed(span)
+                if busy:
+                    merged.room = 0
+                    if self.drafter.cached is not None and merged.end - merged.start < CATCH_UP_CHUNK:
+                        # A view of this step's hidden states would keep all of them alive.
+                        owed = merged if merged is not span else replace(span, hidden=span.hidden.clone())
+                        self._owed[span.request] = span.request.slot, owed
+                        continue
+            except Exception:  # e.g. out of device memory for the kept states: this request only
+                log.exception("request %s failed keeping its draft catch-up", span.request.id)
+                self._fail(span.request)
+                continue
             ready.append(merged)
         if not ready:
             return
@@ -524,6 +530,7 @@ class Engine:
             req.on_output(StepOutput(req, new, False, logprobs))
 
     def _fail(self, req: Request) -> None:
+        self._owed.pop(req, None)
         if req.status is not Status.FINISHED:
             self._finish(req, "error")
 
