@@ -20,16 +20,15 @@ def _spec(f: ServerFlags) -> SpecConfig | None:
     depth unless --spec-draft-width says otherwise: on open chat it paid 1.34x and 1.40x plain f32
     where draft-mtp paid 1.19x and 1.30x (docs/benchmarks.md). Another model does not speculate
     unasked, and -md alone does not turn speculation on; a drafter asked for drafts chains."""
-    width = f.spec_draft_width or 1
     if f.spec_type is None and f.model == "default":
-        kind, draft, width = "draft-mtp-ngram", f.spec_draft_model or "default", f.spec_draft_width or MAIN_WIDTH
+        kind, draft, width = "draft-mtp-ngram", f.spec_draft_model or "default", MAIN_WIDTH
     elif f.spec_type is None or f.spec_type == SPEC_NONE:
         return None
     else:
-        kind, draft = SPEC_TYPES[f.spec_type], f.spec_draft_model
+        kind, draft, width = SPEC_TYPES[f.spec_type], f.spec_draft_model, 1
     return SpecConfig(type=kind, draft_model=draft, n_max=f.spec_draft_n_max, n_min=f.spec_draft_n_min,
                       p_min=f.spec_draft_p_min, ngram_n=f.spec_ngram_size_n, max_batch=f.spec_max_batch,
-                      width=width, p_sibling=f.spec_draft_p_sibling)
+                      width=f.spec_draft_width or width, p_sibling=f.spec_draft_p_sibling)
 
 
 def configs(f: ServerFlags) -> tuple[EngineConfig, ServerSettings]:

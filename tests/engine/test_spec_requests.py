@@ -226,13 +226,16 @@ def test_past_max_batch_the_draft_catches_up_later_in_one_forward_and_its_cache_
                 for p, out in zip(params, outs)]
         engine._drain_inbox()
 
+        def both_decode() -> bool:
+            return len(reqs) > 1 and all(r.finish_reason is None and not r.prefilling for r in reqs)
+
         def draft(spans, *args):
-            busy_calls.append(len(reqs) > 1 and all(r.finish_reason is None and not r.prefilling for r in reqs))
+            busy_calls.append(both_decode())
             return drafted(spans, *args)
         engine.drafter.draft = draft
         steps_together = 0
         while any(r.finish_reason is None for r in reqs):
-            steps_together += len(reqs) > 1 and all(r.finish_reason is None and not r.prefilling for r in reqs)
+            steps_together += both_decode()
             engine.step()
         k = engine.drafter.cached.cache.k[0]  # [slots, kv_heads, ctx, head_dim]
         return outs, [k[r.slot].clone() for r in reqs], steps_together, busy_calls
