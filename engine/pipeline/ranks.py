@@ -31,7 +31,8 @@ log = logging.getLogger("tandem.pipeline")
 PR_SET_PDEATHSIG = 1
 # How long the ranks wait for each other to load their weights and meet (a big model loads slowly).
 JOIN_TIMEOUT = datetime.timedelta(minutes=10)
-EXIT_GRACE_S = 1.0
+# How long a worker that has exited or been told to stop may take to be gone (a loaded machine is slow).
+EXIT_GRACE_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -98,7 +99,12 @@ class LocalWorkers:
         return None
 
     def stop(self, timeout: float = 5.0) -> None:
-        """SIGTERM, then SIGKILL for any still running after `timeout` seconds."""
+        """A moment to exit by themselves (the head has told them to stop, and a SIGTERM sent at
+        once would cut that short), then SIGTERM, then SIGKILL for any still running after
+        `timeout` seconds."""
+        deadline = time.monotonic() + EXIT_GRACE_S
+        while any(p.poll() is None for p in self.procs.values()) and time.monotonic() < deadline:
+            time.sleep(0.05)
         for proc in self.procs.values():
             if proc.poll() is None:
                 proc.terminate()
