@@ -404,7 +404,7 @@ class Engine:
         so that its slot's prefix serves a next turn as it did before (all but the last step's span)."""
         limit = self.config.spec.max_batch
         busy = bool(limit) and sum(not s.request.prefilling for s in spans) > limit
-        if self._owed:  # a request preempted while it owed leaves a gap: acceptance, not correctness
+        if self._owed:  # a preempted request's slot was emptied: it resumes from 0 and owes nothing
             self._owed = {req: owed for req, owed in self._owed.items()
                           if req.status is Status.RUNNING or req in finished}
         ready = [self._owed.pop(req)[1] for req in finished if req in self._owed]
