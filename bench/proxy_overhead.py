@@ -29,7 +29,7 @@ from pathlib import Path
 
 import httpx
 
-from bench.processes import ROOT, ProxyProcess
+from bench.processes import ProxyProcess
 
 SEED = 1234
 
@@ -74,8 +74,8 @@ def main() -> int:
     rng = random.Random(SEED)
     root = Path(tempfile.mkdtemp(prefix="tandem-bench-"))
     if a.model == "tiny":
-        from engine.tiny import write_tiny_model
-        a.model = str(write_tiny_model(json.loads((ROOT / "configs" / "tiny" / "llama.json").read_text()), root / "tiny"))
+        from engine.tiny import tiny_config, write_tiny_model
+        a.model = str(write_tiny_model(tiny_config(), root / "tiny"))
     proxy = ProxyProcess(root, {"bench": {"args": ["-m", a.model, "-c", "4096", "-np", "1", "--dtype", a.dtype,
                                                    "-t", str(a.threads), "--spec-type", "none"],
                                           "health_timeout": 300}})

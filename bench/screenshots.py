@@ -7,7 +7,6 @@ chat page of the server and the operator page of the proxy in a headless Chromiu
 from __future__ import annotations
 
 import argparse
-import json
 import tempfile
 from pathlib import Path
 
@@ -16,7 +15,7 @@ from selenium.webdriver.support.ui import Select
 
 from bench.browser import chromium, found, send_chat
 from bench.processes import ROOT, ProxyProcess, ServerProcess, wait_until
-from engine.tiny import write_tiny_model
+from engine.tiny import tiny_config, write_tiny_model
 
 WIDTH, CHAT_HEIGHT, OPERATOR_HEIGHT = 1100, 760, 1060  # the operator page shows whole
 QUESTIONS = ("Hello! What can you do?", "Write a haiku about speculative decoding.")
@@ -57,7 +56,7 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="tandem-screenshots-") as tmp:
         tmp = Path(tmp)
-        model = write_tiny_model(json.loads((ROOT / "configs/tiny/llama.json").read_text()), tmp / "tiny", seed=0)
+        model = write_tiny_model(tiny_config(), tmp / "tiny", seed=0)
         server_args = ["-m", str(model), "-c", "4096", "-np", "1"]
         server = ServerProcess(["-m", "default", "--dtype", "int8", "--spec-type", "draft-mtp", "-md", "default"],
                                tmp / "server.log")

@@ -33,8 +33,16 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 
+# The repository's small configs (llama, qwen2, mistral, ...), that tests and bench tools build from.
+CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "tiny"
+
 WEIGHT_STD = 0.02
 NORM_NOISE = 0.1  # norms are 1 + noise, so a norm applied to the wrong axis or skipped shows up
+
+
+def tiny_config(name: str = "llama", **overrides) -> dict:
+    """configs/tiny/<name>.json with `overrides` applied."""
+    return {**json.loads((CONFIGS / f"{name}.json").read_text()), **overrides}
 
 
 def hf_config(config: dict) -> PretrainedConfig:

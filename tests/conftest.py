@@ -1,13 +1,11 @@
 """Fixtures shared by the whole suite. The default model loads once per test session."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.server.helpers import ROOT
 
 torch.set_num_threads(2)
 
@@ -29,6 +27,6 @@ def hf_default_model():
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> Path:
     """A tiny random Llama (configs/tiny/llama.json, seed 0) on disk."""
-    from engine.tiny import write_tiny_model
-    config = json.loads((ROOT / "configs/tiny/llama.json").read_text())
+    from engine.tiny import tiny_config, write_tiny_model
+    config = tiny_config()
     return write_tiny_model(config, tmp_path_factory.mktemp("tiny-llama"), seed=0)

@@ -3,12 +3,10 @@
 Both listen on a free loopback port, every wait is bounded, and both are stopped in finalizers."""
 from __future__ import annotations
 
-import json
-
 import pytest
 
 from tests.bench.fake_upstream import FakeUpstream, Mode, Running
-from tests.server.helpers import ROOT, ServerProcess
+from tests.server.helpers import ServerProcess
 
 TINY_SLOTS = 2
 
@@ -30,8 +28,8 @@ def fake(_fake_server) -> FakeUpstream:
 
 def _serve_tiny(tmp_path_factory):
     """`python -m server` on a tiny random model with two slots, served as 'tiny'."""
-    from engine.tiny import write_tiny_model
-    config = json.loads((ROOT / "configs/tiny/llama.json").read_text())
+    from engine.tiny import tiny_config, write_tiny_model
+    config = tiny_config()
     model = write_tiny_model(config, tmp_path_factory.mktemp("tiny-llama"), seed=0)
     server = ServerProcess(["-m", str(model), "-np", str(TINY_SLOTS), "-c", "2048", "--alias", "tiny"],
                            tmp_path_factory.mktemp("server") / "server.log")

@@ -1,19 +1,18 @@
 """bench.compare runs every system it can on one model and reports each against transformers."""
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
 import pytest
 
 from bench.compare import main
-from engine.tiny import write_tiny_model
+from engine.tiny import tiny_config, write_tiny_model
 
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory) -> Path:
-    config = json.loads((Path(__file__).resolve().parents[2] / "configs/tiny/llama.json").read_text())
+    config = tiny_config()
     return write_tiny_model(config, tmp_path_factory.mktemp("tiny-compare"), seed=0)
 
 

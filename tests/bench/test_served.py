@@ -2,22 +2,19 @@
 its stream, counted by the server's own token counts; the table's ratios."""
 from __future__ import annotations
 
-import json
-
 import httpx
 import pytest
 
 from bench import served
 from bench.compare import served_table
-from engine.tiny import write_tiny_model
-from tests.server.helpers import ROOT
+from engine.tiny import tiny_config, write_tiny_model
 
 TEXTS = ["The river", "A list of three colours:", "Once upon a time"]
 
 
 @pytest.fixture(scope="module")
 def tandem(tmp_path_factory):
-    config = json.loads((ROOT / "configs/tiny/llama.json").read_text())
+    config = tiny_config()
     model = write_tiny_model(config, tmp_path_factory.mktemp("tiny-served"), seed=0)
     # A name may carry a file's path, as rows of several drafts do: the server's log still opens.
     server = served.TandemServer(f"tandem f32 ({model})", ["-m", str(model), "-np", "2", "-c", "512"], 1,

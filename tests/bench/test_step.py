@@ -1,16 +1,14 @@
 """bench.step splits a decode step into its parts, per weight format, on the model's own weights."""
 from __future__ import annotations
 
-import json
 import re
-from pathlib import Path
 
 from bench.step import main
-from engine.tiny import write_tiny_model
+from engine.tiny import tiny_config, write_tiny_model
 
 
 def test_step_profile_gives_each_part_its_time_and_weight_bytes(tmp_path, capsys):
-    config = json.loads((Path(__file__).resolve().parents[2] / "configs/tiny/llama.json").read_text())
+    config = tiny_config()
     model = write_tiny_model(config, tmp_path, seed=0)
     assert main(["-m", str(model), "--dtypes", "int8", "q4_1", "--reps", "3", "--tg", "8", "--context", "16",
                  "-t", "1"]) == 0

@@ -12,17 +12,16 @@ import pytest
 from safetensors import SafetensorError
 
 from engine.errors import ConfigError, WeightsError
-from engine.tiny import write_tiny_model
+from engine.tiny import tiny_config, write_tiny_model
 from engine.tokenizer import Tokenizer
 from engine.weights import open_model
 
-CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "tiny"
 
 
 @pytest.fixture(scope="module")
 def tiny_dirs(tmp_path_factory) -> dict[str, Path]:
     """Valid tiny models, written once; tests change copies of them."""
-    return {name: write_tiny_model(json.loads((CONFIGS / f"{name}.json").read_text()), tmp_path_factory.mktemp(name))
+    return {name: write_tiny_model(tiny_config(name), tmp_path_factory.mktemp(name))
             for name in ("llama", "qwen2", "mistral")}
 
 

@@ -2,7 +2,6 @@
 logits, and a draft made for another target is refused with a message that says why."""
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
@@ -14,16 +13,15 @@ from engine.batch import ForwardBatch, Row
 from engine.errors import ConfigError
 from engine.kv_cache import KVCache
 from engine.qsa import DENSE
-from engine.tiny import write_tiny_model
+from engine.tiny import tiny_config, write_tiny_model
 from engine.weights import open_model
 from train.draft import draft_tensors
 
-CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "tiny"
 SUBSET = 64
 
 
 def tiny_target(tmp_path_factory, name: str = "llama", seed: int = 0, **overrides):
-    config = {**json.loads((CONFIGS / f"{name}.json").read_text()), **overrides}
+    config = tiny_config(name, **overrides)
     files = open_model(write_tiny_model(config, tmp_path_factory.mktemp(f"{name}-{seed}"), seed=seed))
     tensors = files.load_tensors()
     return files.config, tensors, mtp.target_fingerprint(files.config, tensors["model.embed_tokens.weight"])

@@ -13,17 +13,12 @@ import torch
 from engine.batch import ForwardBatch, Row
 from engine.kv_cache import KVCache
 from engine.model import Transformer
-from engine.tiny import TOKENIZER_SIZE, write_tiny_model
+from engine.tiny import TOKENIZER_SIZE, tiny_config, write_tiny_model
 from engine.weights import open_model
 
-CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "tiny"
 TOLERANCE = 1e-4  # max abs logit difference in f32
 PROMPT_LEN, CHUNK, DECODE_STEPS = 40, 16, 32
 MAX_POSITIONS = PROMPT_LEN + DECODE_STEPS
-
-
-def tiny_config(name: str, **overrides) -> dict:
-    return {**json.loads((CONFIGS / f"{name}.json").read_text()), **overrides}
 
 
 @dataclass(frozen=True)

@@ -2,9 +2,6 @@
 operations replayed on a worker's cache, ranks from torchrun's environment, and -pp's rules."""
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -16,10 +13,9 @@ from engine.pipeline.head import MirroredCache, micro_batches
 from engine.pipeline.ranks import Rank, from_env
 from engine.pipeline.worker import WorkerStage
 from engine.preflight import read_headers
-from engine.tiny import write_tiny_model
+from engine.tiny import tiny_config, write_tiny_model
 from engine.weights import open_model
 
-CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "tiny"
 
 
 def rows(*slots: int) -> list[Row]:
@@ -60,7 +56,7 @@ def test_ranks_come_from_torchruns_environment():
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> str:
-    config = json.loads((CONFIGS / "llama.json").read_text())  # 3 layers
+    config = tiny_config()  # 3 layers
     return str(write_tiny_model(config, tmp_path_factory.mktemp("tiny"), seed=0))
 
 

@@ -4,9 +4,6 @@ prefill, decode, parallel slots, MTP speculation, a q8_0 cache and the unified p
 rules (splits, proportions) and what each device is reported to hold."""
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -23,7 +20,7 @@ from engine.options import CompressRatios
 from engine.placement import Placement, split_by_proportions
 from engine.preflight import read_headers
 from engine.sampling import SamplingParams
-from engine.tiny import write_tiny_model
+from engine.tiny import tiny_config, write_tiny_model
 from engine.weights import open_model
 from tests.engine.runs import run_all
 from tests.engine.test_qsa_engine import write_llama8_with_drafts
@@ -218,7 +215,7 @@ def test_an_engine_config_takes_device_names_as_the_flags_give_them(kwargs, mess
 def test_an_embedding_copy_embeds_exactly_what_the_model_does(tmp_path, name, dtype):
     """A first stage or a draft on another device than the lm_head gets its own table: the same rows,
     in the same format (a tied table's int8 rows, not the f32 ones)."""
-    config = json.loads((Path(__file__).parents[2] / "configs/tiny" / f"{name}.json").read_text())
+    config = tiny_config(name)
     files = open_model(str(write_tiny_model(config, tmp_path / name, seed=3)))
     tensors = files.load_tensors()
     model = Transformer(files.config, tensors, dtype, max_positions=16)

@@ -3,10 +3,8 @@ fit the budget; beyond it, what a slow reference written from the definition giv
 that follow every rewrite; each layer's spec its own, so a dense layer owns no pool."""
 from __future__ import annotations
 
-import json
 import math
 import os
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,14 +17,13 @@ from engine.model import Transformer, fused_layers
 from engine.options import CompressRatios
 from engine.qsa import LayerSpec
 from engine.rope import rotate
-from engine.tiny import write_tiny_model
+from engine.tiny import tiny_config, write_tiny_model
 from engine.weights import open_model
 
-CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "tiny"
 
 
 def tiny(tmp_path_factory, name: str, **overrides):
-    config = {**json.loads((CONFIGS / f"{name}.json").read_text()), **overrides}
+    config = tiny_config(name, **overrides)
     files = open_model(write_tiny_model(config, tmp_path_factory.mktemp(name), seed=0))
     return files.config, files.load_tensors()
 

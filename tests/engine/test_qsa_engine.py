@@ -3,7 +3,6 @@ rejected draft's positions are rewritten, and their pooled keys with them), and 
 and the q8_0 cache give the per-slot f32 cache's greedy tokens."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -16,13 +15,12 @@ from engine.engine import Engine, EngineConfig
 from engine.kv_cache import KVCache
 from engine.options import CompressRatios
 from engine.sampling import SamplingParams
-from engine.tiny import write_tiny_model
+from engine.tiny import tiny_config, write_tiny_model
 from engine.weights import open_model
 from tests.engine.runs import run_all
 from tests.engine.test_mtp import save_draft
 from tests.exact_tokens import assert_same_greedy
 
-CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "tiny"
 EVERY4 = CompressRatios.parse("every4:4")
 GREEDY = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
 
@@ -30,7 +28,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
 def write_llama8_with_drafts(folder: Path) -> Path:
     """An eight-layer tiny Llama in `folder`, with two untrained MTP drafts for it (most of their
     drafts are rejected): draft.safetensors (a dense layer) and qsa-draft.safetensors (QSA r=4)."""
-    config = {**json.loads((CONFIGS / "llama.json").read_text()), "num_hidden_layers": 8}
+    config = tiny_config("llama", num_hidden_layers=8)
     path = write_tiny_model(config, folder, seed=0)
     files = open_model(path)
     tensors = files.load_tensors()

@@ -109,11 +109,8 @@ def test_rejected_drafts_leave_exactly_the_accepted_tokens_in_the_cache(ngram_en
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
-    import json
-    from pathlib import Path
-
-    from engine.tiny import write_tiny_model
-    config = json.loads((Path(__file__).resolve().parents[2] / "configs/tiny/llama.json").read_text())
+    from engine.tiny import tiny_config, write_tiny_model
+    config = tiny_config()
     return write_tiny_model(config, tmp_path_factory.mktemp("tiny-draft"), seed=0)
 
 

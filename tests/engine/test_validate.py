@@ -2,17 +2,14 @@
 applied and the cache's bytes per layer kind; a bad value exits 2 with one message."""
 from __future__ import annotations
 
-import json
-from pathlib import Path
 
-from engine.tiny import write_tiny_model
+from engine.tiny import tiny_config, write_tiny_model
 from engine.validate import main
 
-CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "tiny"
 
 
 def test_validate_reports_kv_and_pooled_key_bytes_per_layer_kind(tmp_path, capsys):
-    config = {**json.loads((CONFIGS / "llama.json").read_text()), "num_hidden_layers": 8}
+    config = tiny_config("llama", num_hidden_layers=8)
     path = write_tiny_model(config, tmp_path / "m", seed=0)
     assert main([str(path), "--compress-ratios", "every4:4", "--qsa-budget", "16", "-c", "1024", "-np", "2"]) == 0
     out = capsys.readouterr().out
