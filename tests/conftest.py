@@ -6,7 +6,6 @@ from pathlib import Path
 import pytest
 import torch
 
-
 torch.set_num_threads(2)
 
 

@@ -58,6 +58,13 @@ def from_env(stages: int, env=os.environ) -> Rank | None:
     return Rank(int(env["RANK"]), world, "env://") if stages > 1 else None
 
 
+def _within_grace(done) -> None:
+    """Polls `done` until it holds or EXIT_GRACE_S have passed."""
+    deadline = time.monotonic() + EXIT_GRACE_S
+    while not done() and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
 def _die_with_parent(parent: int) -> None:
     """In the child, before exec: SIGKILL when the parent's spawning thread exits."""
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
@@ -84,10 +91,8 @@ class LocalWorkers:
     def describe_loss(self, rank: int, error: Exception) -> str | None:
         """A lost stage named by the worker that exited, when one did. Its sockets close while it
         exits, so the head may hear of it before the process is gone: it gets a moment to be."""
-        deadline = time.monotonic() + EXIT_GRACE_S
-        while (lost := self.exited()) is None and time.monotonic() < deadline:
-            time.sleep(0.05)
-        return lost
+        _within_grace(lambda: self.exited() is not None)
+        return self.exited()
 
     def exited(self) -> str | None:
         """The first worker that has exited, named by stage, or None while all run."""
@@ -102,9 +107,7 @@ class LocalWorkers:
         """A moment to exit by themselves (the head has told them to stop, and a SIGTERM sent at
         once would cut that short), then SIGTERM, then SIGKILL for any still running after
         `timeout` seconds."""
-        deadline = time.monotonic() + EXIT_GRACE_S
-        while any(p.poll() is None for p in self.procs.values()) and time.monotonic() < deadline:
-            time.sleep(0.05)
+        _within_grace(lambda: all(p.poll() is not None for p in self.procs.values()))
         for proc in self.procs.values():
             if proc.poll() is None:
                 proc.terminate()

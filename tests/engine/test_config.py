@@ -17,7 +17,6 @@ from engine.tokenizer import Tokenizer
 from engine.weights import open_model
 
 
-
 @pytest.fixture(scope="module")
 def tiny_dirs(tmp_path_factory) -> dict[str, Path]:
     """Valid tiny models, written once; tests change copies of them."""

@@ -17,7 +17,6 @@ from engine.tiny import tiny_config, write_tiny_model
 from engine.weights import open_model
 
 
-
 def rows(*slots: int) -> list[Row]:
     return [Row(s, 0, [1]) for s in slots]
 

@@ -21,7 +21,6 @@ from engine.tiny import tiny_config, write_tiny_model
 from engine.weights import open_model
 
 
-
 def tiny(tmp_path_factory, name: str, **overrides):
     config = tiny_config(name, **overrides)
     files = open_model(write_tiny_model(config, tmp_path_factory.mktemp(name), seed=0))

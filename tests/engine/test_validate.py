@@ -2,10 +2,8 @@
 applied and the cache's bytes per layer kind; a bad value exits 2 with one message."""
 from __future__ import annotations
 
-
 from engine.tiny import tiny_config, write_tiny_model
 from engine.validate import main
-
 
 
 def test_validate_reports_kv_and_pooled_key_bytes_per_layer_kind(tmp_path, capsys):
