@@ -41,12 +41,11 @@ import torch
 
 from bench import served
 from bench.formats import TandemSystem, TransformersSystem, add_workload_flags, run, table, tokens_per_second, workload
-from engine.config import num_param_bytes
-from engine.drafter import SpecConfig
-from engine.mtp import DEFAULT_DRAFT
-from engine.quant import BYTES_PER_WEIGHT, DTYPES
-from engine.tokenizer import Tokenizer
-from engine.weights import open_model
+from engine import SpecConfig, Tokenizer
+from engine.files.model_config import num_param_bytes
+from engine.files.weights import open_model
+from engine.ops.quant import BYTES_PER_WEIGHT
+from engine.settings import DEFAULT_DRAFT, DTYPES
 
 LLAMA_CPP = "llama.cpp"
 OPEN_CHAT = Path(__file__).parents[1] / "configs/prompts/open-chat.json"

@@ -30,7 +30,7 @@ SLOTS = 4
 
 def aggregate_tg(engine, tokens: int) -> float:
     """Tokens per second of SLOTS requests generated together (on the engine's thread)."""
-    from engine.sampling import SamplingParams
+    from engine import SamplingParams
     params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
     done = threading.Semaphore(0)
     requests = [engine.submit(engine.tokenizer.encode(f"{PROMPT} ({i})"), params,
@@ -43,7 +43,7 @@ def aggregate_tg(engine, tokens: int) -> float:
 
 
 def greedy_tokens(engine, tokens: int) -> list[int]:
-    from engine.sampling import SamplingParams
+    from engine import SamplingParams
     params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
     return [t for out in engine.generate(engine.tokenizer.encode(PROMPT), params, cache_prompt=False)
             for t in out.token_ids]
@@ -57,7 +57,7 @@ def parse_placement(text: str) -> tuple[tuple[str, ...], tuple[int, ...] | None]
 
 def pipeline_engine(a: argparse.Namespace, stages: int):
     """This process as the head of a -pp pipeline, with its workers (started here, the main thread)."""
-    from engine.engine import Engine, EngineConfig
+    from engine import Engine, EngineConfig
     from engine.pipeline.ranks import LocalWorkers
     workers = LocalWorkers(["-m", a.model, "--dtype", a.dtype, "-c", str(SLOTS * 1024), "-np", str(SLOTS),
                             "-t", str(a.threads), "-pp", str(stages), "--spec-type", "none"], stages)
@@ -77,7 +77,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--dtype", default="f32")
     a = ap.parse_args(argv)
     import torch
-    from engine.engine import Engine, EngineConfig
+
+    from engine import Engine, EngineConfig
     torch.set_num_threads(a.threads)
     print(f"{a.model} {a.dtype}, prompt {PROMPT!r}, {a.tokens} tokens, greedy, threads={a.threads}, runs={a.runs}")
     engines = {"unsplit": None, **{p: parse_placement(p) for p in a.placements}}

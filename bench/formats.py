@@ -29,12 +29,9 @@ from pathlib import Path
 
 import torch
 
-from engine.drafter import SPEC_TYPES, SpecConfig
-from engine.engine import Engine, EngineConfig
-from engine.quant import DTYPES
-from engine.sampling import SamplingParams
-from engine.tokenizer import Tokenizer
-from engine.weights import open_model
+from engine import Engine, EngineConfig, SamplingParams, SpecConfig, Tokenizer
+from engine.files.weights import open_model
+from engine.settings import DTYPES, SPEC_TYPES
 from train.prompts import chat_prompts
 
 TEXT = Path("/usr/share/common-licenses/GPL-3")

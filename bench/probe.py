@@ -18,9 +18,7 @@ import time
 import torch
 
 from bench.formats import load_reference, prompt_tokens
-from engine.engine import Engine, EngineConfig
-from engine.probe import ProbeSpec
-from engine.sampling import SamplingParams
+from engine import Engine, EngineConfig, ProbeSpec, SamplingParams
 
 ONE_TOKEN = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
 

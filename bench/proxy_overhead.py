@@ -74,7 +74,7 @@ def main() -> int:
     rng = random.Random(SEED)
     root = Path(tempfile.mkdtemp(prefix="tandem-bench-"))
     if a.model == "tiny":
-        from engine.tiny import tiny_config, write_tiny_model
+        from engine.cli.tiny import tiny_config, write_tiny_model
         a.model = str(write_tiny_model(tiny_config(), root / "tiny"))
     proxy = ProxyProcess(root, {"bench": {"args": ["-m", a.model, "-c", "4096", "-np", "1", "--dtype", a.dtype,
                                                    "-t", str(a.threads), "--spec-type", "none"],

@@ -23,11 +23,9 @@ import time
 import torch
 
 from bench.formats import prompt_tokens
-from engine.batch import ForwardBatch, Row
-from engine.engine import Engine, EngineConfig
-from engine.kv_cache import KVCache
-from engine.options import CompressRatios
-from engine.sampling import SamplingParams
+from engine import CompressRatios, Engine, EngineConfig, SamplingParams
+from engine.model.batch import ForwardBatch, Row
+from engine.model.kv_cache import KVCache
 
 CHUNK = 512
 

@@ -15,7 +15,7 @@ from selenium.webdriver.support.ui import Select
 
 from bench.browser import chromium, found, send_chat
 from bench.processes import ROOT, ProxyProcess, ServerProcess, wait_until
-from engine.tiny import tiny_config, write_tiny_model
+from engine.cli.tiny import tiny_config, write_tiny_model
 
 WIDTH, CHAT_HEIGHT, OPERATOR_HEIGHT = 1100, 760, 1060  # the operator page shows whole
 QUESTIONS = ("Hello! What can you do?", "Write a haiku about speculative decoding.")

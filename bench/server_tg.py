@@ -10,10 +10,10 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-import tempfile
 
 import httpx
 
@@ -23,7 +23,7 @@ PROMPT = "Once upon a time"
 
 
 def engine_tg(engine, tokens: int) -> float:
-    from engine.sampling import SamplingParams
+    from engine import SamplingParams
     ids = engine.tokenizer.encode(PROMPT)
     params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
     outs = list(engine.generate(ids, params, cache_prompt=False))
@@ -63,7 +63,8 @@ def main() -> None:
     ap.add_argument("--dtype", default="f32")
     a = ap.parse_args()
     import torch
-    from engine.engine import Engine, EngineConfig
+
+    from engine import Engine, EngineConfig
     torch.set_num_threads(a.threads)
     print(f"default model {a.dtype}, prompt {PROMPT!r}, {a.tokens} tokens, greedy, threads={a.threads}, runs={a.runs}")
     engine = Engine.load(EngineConfig(model="default", ctx_size=2048, parallel=1, threads=a.threads, dtype=a.dtype))

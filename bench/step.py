@@ -22,12 +22,13 @@ from collections.abc import Callable
 
 import torch
 
-from engine import kernels
-from engine.batch import ForwardBatch, Row
-from engine.model import fused_layers
-from engine.quant import DTYPES, Linear
-from engine.tokenizer import Tokenizer
-from engine.weights import open_model
+from engine import Tokenizer
+from engine.files.weights import open_model
+from engine.model.batch import ForwardBatch, Row
+from engine.model.transformer import fused_layers
+from engine.ops import kernels
+from engine.ops.quant import Linear
+from engine.settings import DTYPES
 
 from .formats import TandemSystem, tg_prompts
 

@@ -4,7 +4,7 @@ memory (`check_devices`, `check_fit`). Once loaded, what each device holds (`mea
 log and /props).
 
 The estimate counts the layers' weights in their format, the lm_head and the embedding copies
-(engine/model.py keeps one per device that reads it), K and V in their cache types with a QSA
+(engine/model/transformer.py keeps one per device that reads it), K and V in their cache types with a QSA
 layer's pooled keys, and the draft (a detached MTP draft by its file's size). The RoPE tables and
 activations are left out: they are a rounding error next to these.
 """
@@ -12,21 +12,18 @@ from __future__ import annotations
 
 import os
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
-from engine.blocks import GGUF_TYPES
-from engine.config import ModelConfig
 from engine.errors import ConfigError
-from engine.kv_cache import KV_BYTES_PER_VALUE
-from engine.mtp import MTPDraft
+from engine.files.model_config import ModelConfig
+from engine.model.kv_cache import KV_BYTES_PER_VALUE
+from engine.model.mtp import MTPDraft
+from engine.ops.blocks import GGUF_TYPES
+from engine.ops.quant import BYTES_PER_WEIGHT, compute_dtype
 from engine.placement import Placement
-from engine.quant import BYTES_PER_WEIGHT, compute_dtype
-from engine.weights import open_model
-
-if TYPE_CHECKING:
-    from engine.engine import EngineConfig
+from engine.settings import EngineConfig
+from engine.spec.loading import DraftFiles
 
 MIB = 2**20
 
@@ -74,9 +71,9 @@ def estimated_format(dtype: str, stored: dict[str, tuple[int, int]]) -> str:
     return max(kept or {"f32"}, key=BYTES_PER_WEIGHT.get)
 
 
-def device_needs(config: "EngineConfig", model: ModelConfig, placement: Placement,
-                 draft_layers: int, stored: dict[str, tuple[int, int]] | None = None) -> dict[str, DeviceNeed]:
-    """Estimated bytes per device, the draft's included (draft_layers: a detached MTP draft's;
+def device_needs(config: EngineConfig, model: ModelConfig, placement: Placement, draft: DraftFiles | None,
+                 stored: dict[str, tuple[int, int]] | None = None) -> dict[str, DeviceNeed]:
+    """Estimated bytes per device, the draft's included (draft: its headers, with speculation;
     stored: the file's tensors as stored, which --dtype auto keeps)."""
     dtype = estimated_format(config.dtype, stored or {})
     needs = {device: DeviceNeed() for device in (*placement.devices, placement.draft_device)}
@@ -90,20 +87,20 @@ def device_needs(config: "EngineConfig", model: ModelConfig, placement: Placemen
         model.vocab_size * model.hidden_size * compute_dtype(dtype).itemsize
     if not model.tie_word_embeddings or first != last:
         needs[first].weights += embed_bytes
-    spec, draft = config.spec, needs[placement.draft_device]
+    spec, need = config.spec, needs[placement.draft_device]
     # A draft's cache is per slot, in the compute dtype.
     draft_positions = config.ctx_per_slot * config.parallel
     draft_kv = ("bf16", "bf16") if compute_dtype(dtype) == torch.bfloat16 else ("f32", "f32")
     if spec is not None and spec.runs_mtp:
-        draft.weights += os.path.getsize(spec.draft_model)
-        draft.kv += draft_layers * layer_kv_bytes(model, 0, draft_positions, draft_kv)
+        need.weights += os.path.getsize(spec.draft_model)
+        need.kv += len(draft.ratios) * layer_kv_bytes(model, 0, draft_positions, draft_kv)
         if placement.draft_device != first:  # its own embedding copy
-            draft.weights += embed_bytes
+            need.weights += embed_bytes
     elif spec is not None and spec.type == "draft-simple":
-        small = open_model(spec.draft_model).config
-        draft.weights += small.num_layers * layer_weight_bytes(small, dtype) \
+        small = draft.model.config
+        need.weights += small.num_layers * layer_weight_bytes(small, dtype) \
             + table_bytes(small, dtype) * (1 if small.tie_word_embeddings else 2)
-        draft.kv += small.num_layers * layer_kv_bytes(small, 0, draft_positions, draft_kv)
+        need.kv += small.num_layers * layer_kv_bytes(small, 0, draft_positions, draft_kv)
     return {d: n for d, n in needs.items() if n.total}
 
 
@@ -130,10 +127,10 @@ def check_devices(placement: Placement) -> None:
                               f"cuda:0 .. cuda:{count - 1}")
 
 
-def check_fit(config: "EngineConfig", model: ModelConfig, placement: Placement, draft_layers: int,
+def check_fit(config: EngineConfig, model: ModelConfig, placement: Placement, draft: DraftFiles | None,
               stored: dict[str, tuple[int, int]]) -> None:
     """Raises ConfigError when a device's estimated weights and KV cache exceed its memory."""
-    for device, need in device_needs(config, model, placement, draft_layers, stored).items():
+    for device, need in device_needs(config, model, placement, draft, stored).items():
         have = device_memory(device)
         if need.total > have:
             raise ConfigError(

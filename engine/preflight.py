@@ -8,35 +8,33 @@ server calls it before it starts listening (a bad value exits 2 with one message
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-from engine.config import ModelConfig, with_compression
-from engine.drafter import check_draft_files
 from engine.errors import ConfigError
+from engine.files.model_config import ModelConfig, with_compression
+from engine.files.weights import ModelFiles, open_model
 from engine.footprint import check_devices, check_fit
-from engine.kv_cache import PagedKVCache
+from engine.model.qsa import LayerSpec
 from engine.placement import Placement
-from engine.qsa import LayerSpec
-from engine.weights import ModelFiles, open_model
-
-if TYPE_CHECKING:
-    from engine.engine import EngineConfig
+from engine.settings import PAGE_SIZE, EngineConfig
+from engine.spec.loading import DraftFiles, check_draft_files
 
 
 @dataclass(frozen=True)
 class Headers:
     files: ModelFiles
     model: ModelConfig  # the target's, with --compress-ratios and --qsa-budget applied
+    draft: DraftFiles | None  # the draft's headers, with speculation
     draft_ratios: tuple[int, ...]  # the detached MTP draft's layers' (empty without one)
     placement: Placement  # the trunk's stages and the draft's device
 
 
-def read_headers(config: "EngineConfig") -> Headers:
+def read_headers(config: EngineConfig) -> Headers:
     """Raises ConfigError naming field, value and rule."""
     files = open_model(config.model)
-    draft_ratios = check_draft_files(config.spec, files.config) if config.spec is not None else ()
-    model, draft_ratios = with_compression(files.config, config.compress_ratios, config.qsa_budget, draft_ratios)
-    page = PagedKVCache.PAGE_SIZE
+    draft = check_draft_files(config.spec, files.config) if config.spec is not None else None
+    model, draft_ratios = with_compression(files.config, config.compress_ratios, config.qsa_budget,
+                                           draft.ratios if draft is not None else ())
+    page = PAGE_SIZE
     unpaged = sorted({r for r in model.layer_ratios if r and page % r})
     if config.kv_unified and unpaged:
         raise ConfigError(f"compress_ratios: ratio {unpaged[0]} must divide the KV page size {page} with kv_unified")
@@ -62,8 +60,8 @@ def read_headers(config: "EngineConfig") -> Headers:
     except ValueError as e:
         raise ConfigError(str(e)) from None
     check_devices(placement)
-    check_fit(config, model, placement, len(draft_ratios), files.stored)
-    return Headers(files, model, draft_ratios, placement)
+    check_fit(config, model, placement, draft, files.stored)
+    return Headers(files, model, draft, draft_ratios, placement)
 
 
 def describe_cache(specs: list[LayerSpec], slots: str, kv_bytes: int, kpool_bytes: int) -> str:

@@ -10,7 +10,7 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from proxy.config import ProxyConfig, Profile
+from proxy.config import Profile, ProxyConfig
 from proxy.jobs import Job, JobType, Trigger
 from proxy.router import Lease, Replica, Waiter
 

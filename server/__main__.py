@@ -13,10 +13,9 @@ import sys
 import uvicorn
 from sse_starlette.sse import AppStatus
 
-from engine.errors import TandemError
+from engine import TandemError, read_headers
 from engine.pipeline import ranks
 from engine.pipeline.worker import worker_main
-from engine.preflight import read_headers
 from server.app import create_app
 from server.cli import configs
 from server.flags import FlagError, help_text, parse_flags

@@ -3,12 +3,10 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from engine.drafter import SpecConfig
-from engine.engine import EngineConfig
-from engine.options import SPEC_NONE, SPEC_TYPES
+from engine import EngineConfig, SpecConfig
+from engine.settings import SPEC_NONE, SPEC_TYPES
 from server.flags import AUTO_PARALLEL, ServerFlags, parse_flags
 from server.state import ServerSettings
-
 
 # The main command's trees: with f32 it paid 1.45x plain against a chain's 1.39x on open chat.
 MAIN_WIDTH = 3

@@ -11,8 +11,9 @@ import math
 from dataclasses import dataclass, fields
 from typing import Callable, Sequence
 
-from engine.options import DTYPES, KV_CACHE_TYPES, SPEC_NONE, SPEC_TYPES, CompressRatios
+from engine import CompressRatios
 from engine.placement import parse_device, parse_devices, parse_layer_split, parse_proportions
+from engine.settings import DTYPES, KV_CACHE_TYPES, SPEC_NONE, SPEC_TYPES
 from server.logs import LOG_FORMATS, LOG_LEVELS
 
 DEFAULT_BODY_LIMIT = 8 * 2**20
@@ -47,7 +48,7 @@ class ServerFlags:
     timeout: float | None = None  # None: no time limit
     log_level: str = "info"
     log_format: str = "text"
-    spec_type: str | None = None  # as given: a name or an alias in engine.options.SPEC_TYPES, or SPEC_NONE
+    spec_type: str | None = None  # as given: a name or an alias in engine.settings.SPEC_TYPES, or SPEC_NONE
     spec_draft_model: str | None = None
     spec_draft_n_min: int = 0
     spec_draft_n_max: int = 3

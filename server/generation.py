@@ -9,16 +9,11 @@ import time
 from dataclasses import dataclass
 from typing import AsyncIterator
 
-from engine.errors import ConfigError
-from engine.probe import ProbeSpec
-from engine.request import DraftLimits
-from engine.sampling import SamplingParams
-from engine.tokenizer import IncrementalDecoder
+from engine import ConfigError, DraftLimits, IncrementalDecoder, ProbeSpec, SamplingParams
 from server.probes import probe_body, probe_spec
 from server.protocol import APIError, FinishReason, SamplingFields, Timings
 from server.state import ServerState
 from server.stop import StopMatcher
-
 
 log = logging.getLogger("tandem.server")
 
@@ -40,7 +35,7 @@ class PreparedRequest:
     params: SamplingParams
     stops: list[str]
     cache_prompt: bool
-    slot_id: int | None
+    pinned_slot: int | None
     probe: ProbeSpec | None = None
     draft_limits: DraftLimits | None = None  # the request's own; None: the server's
 
@@ -69,7 +64,7 @@ def prepare(state: ServerState, body: SamplingFields, prompt_ids: list[int],
     state.check_model(body.model)
     limit = body.token_limit
     try:
-        engine.check_prompt(len(prompt_ids), limit)
+        engine.admission.check_prompt(len(prompt_ids), limit)
     except ConfigError as e:
         raise _wire_error(e) from e
     vocab = engine.model.config.vocab_size
@@ -85,11 +80,11 @@ def prepare(state: ServerState, body: SamplingFields, prompt_ids: list[int],
             temperature=body.temperature, top_k=body.top_k, top_p=body.top_p, min_p=body.min_p,
             repetition_penalty=body.repeat_penalty, presence_penalty=body.presence_penalty,
             frequency_penalty=body.frequency_penalty, seed=body.seed,
-            max_tokens=limit if limit is not None else engine.room_after(len(prompt_ids)),
+            max_tokens=limit if limit is not None else engine.admission.room_after(len(prompt_ids)),
             ignore_eos=body.ignore_eos, logit_bias=bias, logprobs=n_logprobs)
         probe = None if body.attention_probe is None else probe_spec(body.attention_probe)
         if probe is not None:
-            engine.check_probe(probe, len(prompt_ids))
+            engine.admission.check_probe(probe, len(prompt_ids))
         draft_limits = _draft_limits(engine.config.spec, body)
     except ConfigError as e:
         raise _wire_error(e) from e
@@ -122,7 +117,7 @@ async def run(state: ServerState, prepared: PreparedRequest) -> AsyncIterator[Pi
     consumer stops early (client gone), a stop string matches, or --timeout runs out (finish_reason
     "timeout"); a request the client left is counted in /metrics as cancelled."""
     stream = state.runner.submit(prepared.prompt_ids, prepared.params, cache_prompt=prepared.cache_prompt,
-                                 slot_id=prepared.slot_id, probe=prepared.probe,
+                                 pinned_slot=prepared.pinned_slot, probe=prepared.probe,
                                  draft_limits=prepared.draft_limits)
     decoder = IncrementalDecoder(state.runner.engine.tokenizer)
     matcher = StopMatcher(prepared.stops)
@@ -188,7 +183,7 @@ def _timings(req, n_tokens: int, stopped_at: float | None) -> dict:
 
 def _final(state: ServerState, req, reason: str, n_tokens: int, stopped_at: float | None) -> Final:
     timings = _timings(req, n_tokens, stopped_at)
-    n_prompt = len(req.prompt_ids)
+    n_prompt = req.n_prompt
     predicted = timings["predicted_n"]
     usage = {"prompt_tokens": n_prompt, "completion_tokens": predicted, "total_tokens": n_prompt + predicted}
     state.metrics.on_finished(timings)

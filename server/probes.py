@@ -7,7 +7,7 @@ import base64
 
 import torch
 
-from engine.probe import LayerProbe, ProbeSpec, Window
+from engine import LayerProbe, ProbeSpec, Window
 from server.protocol import AttentionProbe
 
 

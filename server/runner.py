@@ -12,12 +12,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from engine.engine import Engine, EngineConfig
+from engine import DraftLimits, Engine, EngineConfig, Headers, ProbeSpec, Request, SamplingParams, StepOutput
 from engine.pipeline.ranks import LocalWorkers, Rank
-from engine.preflight import Headers
-from engine.probe import ProbeSpec
-from engine.request import DraftLimits, Request, StepOutput
-from engine.sampling import SamplingParams
 
 log = logging.getLogger("tandem.server")
 
@@ -100,7 +96,7 @@ class EngineRunner:
                 return
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, *, cache_prompt: bool,
-               slot_id: int | None, probe: ProbeSpec | None = None, draft_limits: DraftLimits | None = None) -> Stream:
+               pinned_slot: int | None, probe: ProbeSpec | None = None, draft_limits: DraftLimits | None = None) -> Stream:
         """Called on the event loop, after the request was validated."""
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue = asyncio.Queue()
@@ -111,7 +107,7 @@ class EngineRunner:
             except RuntimeError:  # the loop closed during shutdown: nobody is listening
                 pass
 
-        request = self.engine.submit(prompt_ids, params, on_output, cache_prompt=cache_prompt, slot_id=slot_id,
+        request = self.engine.submit(prompt_ids, params, on_output, cache_prompt=cache_prompt, pinned_slot=pinned_slot,
                                      probe=probe, draft_limits=draft_limits)
         return Stream(request, outputs, self)
 

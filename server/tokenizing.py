@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 
-from engine.tokenizer import Tokenizer
+from engine import Tokenizer
 from server.protocol import APIError
 
 

@@ -12,7 +12,8 @@ torch.set_num_threads(2)
 @pytest.fixture(scope="session")
 def default_engine():
     """The embedded SmolLM2 in f32 with three slots, stepping inline (no engine thread)."""
-    from engine.engine import Engine, EngineConfig
+    from engine.engine import Engine
+    from engine.settings import EngineConfig
     return Engine.load(EngineConfig(model="default", dtype="f32", ctx_size=3 * 1024, parallel=3, ubatch_size=128))
 
 
@@ -26,6 +27,6 @@ def hf_default_model():
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> Path:
     """A tiny random Llama (configs/tiny/llama.json, seed 0) on disk."""
-    from engine.tiny import tiny_config, write_tiny_model
+    from engine.cli.tiny import tiny_config, write_tiny_model
     config = tiny_config()
     return write_tiny_model(config, tmp_path_factory.mktemp("tiny-llama"), seed=0)

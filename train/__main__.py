@@ -30,9 +30,9 @@ from pathlib import Path
 
 import torch
 
-from engine import mtp
-from engine.engine import Engine, EngineConfig
-from engine.qsa import DENSE
+from engine import Engine, EngineConfig
+from engine.model import mtp
+from engine.model.qsa import DENSE
 from train.data import load_data
 from train.draft import draft_tensors, file_tensors, residual_rms, run_row, subset_ids
 from train.evaluate import evaluate

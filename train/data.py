@@ -8,8 +8,7 @@ from pathlib import Path
 
 import torch
 
-from engine.engine import Engine
-from engine.sampling import SamplingParams
+from engine import Engine, SamplingParams
 from train.prompts import chat_prompts, licence_chunks
 
 
@@ -60,9 +59,8 @@ def generate(engine: Engine, prompts: list[list[int]], max_tokens: list[int], mi
     hook = engine.model.register_forward_hook(keep_hidden)
     reqs = [engine.submit(p, SamplingParams(temperature=0, max_tokens=m), lambda out: None, cache_prompt=False)
             for p, m in zip(prompts, max_tokens)]
-    engine._drain_inbox()
     t0, last, deadline = time.perf_counter(), 0.0, time.perf_counter() + 60 * minutes
-    while engine.scheduler.has_work() and time.perf_counter() < deadline:
+    while engine.busy and time.perf_counter() < deadline:
         engine.step()
         if time.perf_counter() - last > 30:
             last = time.perf_counter()

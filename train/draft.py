@@ -6,11 +6,12 @@ import math
 
 import torch
 
-from engine.batch import ForwardBatch, Row, causal_mask
-from engine.engine import Engine
-from engine.kv_cache import KVCache
-from engine.model import split_fused
+from engine import Engine
+from engine.model.batch import ForwardBatch, Row, causal_mask
+from engine.model.kv_cache import KVCache
+from engine.model.transformer import split_fused
 from train.data import Data
+
 
 def subset_ids(data: Data, k: int, vocab_size: int) -> torch.Tensor:
     """The head's k vocabulary ids: the training labels, most frequent first, then the lowest ids the

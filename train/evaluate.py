@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.batch import ForwardBatch, Row
-from engine.kv_cache import KVCache
+from engine.model.batch import ForwardBatch, Row
+from engine.model.kv_cache import KVCache
 from train.data import Sequence
 
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine.batch import causal_mask
+from engine.model.batch import causal_mask
 from train.data import Sequence
 from train.draft import run_row
 

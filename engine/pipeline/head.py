@@ -9,9 +9,8 @@ import time
 import torch
 from torch import nn
 
-from engine.batch import ForwardBatch, Row
-from engine.pipeline.transport import CacheOp, Link, LinkError, Message, Op, Pending
-from engine.pipeline.worker import HEARTBEAT_S
+from engine.model.batch import ForwardBatch, Row
+from engine.pipeline.transport import HEARTBEAT_S, CacheOp, Link, LinkError, Message, Op, Pending
 
 
 class PipelineError(RuntimeError):

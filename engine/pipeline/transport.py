@@ -18,9 +18,11 @@ from enum import IntEnum
 import torch
 import torch.distributed as dist
 
-from engine.batch import Row
+from engine.model.batch import Row
 
 HEADER_SIZE = 4
+# An idle head sends a heartbeat this often, so that its workers can tell idle from lost.
+HEARTBEAT_S = 1.0
 HEADER_TAG, PAYLOAD_TAG = 1, 2
 
 

@@ -6,22 +6,21 @@ import logging
 
 import torch
 
-from engine.arena import move_to_huge_pages
-from engine.batch import ForwardBatch
-from engine.kv_cache import cache_for
-from engine.model import DecoderLayer, Stage
+from engine.model.batch import ForwardBatch
+from engine.model.kv_cache import cache_for
+from engine.model.qsa import LayerSpec
+from engine.model.rope import rope_table
+from engine.model.transformer import DecoderLayer, Stage
+from engine.ops.arena import move_to_huge_pages
+from engine.ops.quant import compute_dtype, keeps_blocks
 from engine.pipeline.ranks import join
 from engine.pipeline.transport import CacheOp, Link, LinkError, Message, Op
-from engine.qsa import LayerSpec
-from engine.quant import compute_dtype, keeps_blocks
-from engine.rope import rope_table
 
 log = logging.getLogger("tandem.pipeline")
 
-# An idle head sends a heartbeat every HEARTBEAT_S; a worker that hears nothing for IDLE_TIMEOUT_S
-# (or the pipeline timeout, when that is longer: a head computing a long micro-batch is silent)
-# takes the head for lost and exits. A head that dies closes its sockets, which ends the wait at once.
-HEARTBEAT_S = 1.0
+# A worker that hears nothing for IDLE_TIMEOUT_S (transport.HEARTBEAT_S apart, the head's heartbeats;
+# or the pipeline timeout, when that is longer: a head computing a long micro-batch is silent) takes
+# the head for lost and exits. A head that dies closes its sockets, which ends the wait at once.
 IDLE_TIMEOUT_S = 9.0
 
 

@@ -28,7 +28,7 @@ def fake(_fake_server) -> FakeUpstream:
 
 def _serve_tiny(tmp_path_factory):
     """`python -m server` on a tiny random model with two slots, served as 'tiny'."""
-    from engine.tiny import tiny_config, write_tiny_model
+    from engine.cli.tiny import tiny_config, write_tiny_model
     config = tiny_config()
     model = write_tiny_model(config, tmp_path_factory.mktemp("tiny-llama"), seed=0)
     server = ServerProcess(["-m", str(model), "-np", str(TINY_SLOTS), "-c", "2048", "--alias", "tiny"],

@@ -14,8 +14,8 @@ import uvicorn
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from server.protocol import CompletionRequest, TokenizeRequest, error_body
 from bench.processes import free_port
+from server.protocol import CompletionRequest, TokenizeRequest, error_body
 
 MODEL = "fake"
 

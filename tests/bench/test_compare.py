@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from bench.compare import main
-from engine.tiny import tiny_config, write_tiny_model
+from engine.cli.tiny import tiny_config, write_tiny_model
 
 
 @pytest.fixture(scope="module")

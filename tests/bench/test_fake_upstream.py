@@ -8,9 +8,9 @@ import json
 import pytest
 
 from bench.__main__ import main
+from bench.processes import free_port
 from bench.records import read_jsonl
 from tests.bench.fake_upstream import MODEL, Mode
-from bench.processes import free_port
 
 
 def bench(fake, tmp_path, capsys, *extra: str) -> tuple[int, dict | None, list, str]:

@@ -7,7 +7,7 @@ import pytest
 
 from bench import served
 from bench.compare import served_table
-from engine.tiny import tiny_config, write_tiny_model
+from engine.cli.tiny import tiny_config, write_tiny_model
 
 TEXTS = ["The river", "A list of three colours:", "Once upon a time"]
 

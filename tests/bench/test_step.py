@@ -4,7 +4,7 @@ from __future__ import annotations
 import re
 
 from bench.step import main
-from engine.tiny import tiny_config, write_tiny_model
+from engine.cli.tiny import tiny_config, write_tiny_model
 
 
 def test_step_profile_gives_each_part_its_time_and_weight_bytes(tmp_path, capsys):

@@ -5,9 +5,9 @@ from __future__ import annotations
 import queue
 
 from engine.engine import Engine
-from engine.probe import ProbeSpec
-from engine.request import Request
-from engine.sampling import SamplingParams
+from engine.model.probe import ProbeSpec
+from engine.sched.request import Request
+from engine.sched.sampling import SamplingParams
 
 
 def run_all(engine: Engine, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
@@ -20,7 +20,6 @@ def run_all(engine: Engine, prompts: list[list[int]], params: SamplingParams | l
     finished = 0
     while finished < len(requests):
         while outputs.empty():
-            engine._drain_inbox()
             engine.step()
         finished += outputs.get().finished
     return requests

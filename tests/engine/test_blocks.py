@@ -1,4 +1,4 @@
-"""GGUF's block formats (engine/blocks.py): tandem's quantizer writes the blocks llama.cpp's reference
+"""GGUF's block formats (engine/ops/blocks.py): tandem's quantizer writes the blocks llama.cpp's reference
 quantizer writes (the gguf package's, bit for bit), its dequantizer reads the numbers llama.cpp
 reads, and a linear layer keeps a weight as the file stores it or quantizes it on load."""
 from __future__ import annotations
@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from engine import blocks
-from engine.blocks import BlockTensor
-from engine.quant import Linear, stored_format, weight_formats
+from engine.ops import blocks
+from engine.ops.blocks import BlockTensor
+from engine.ops.quant import Linear, stored_format, weight_formats
 
 GGUF_TYPE = {"q4_0": gguf.GGMLQuantizationType.Q4_0, "q4_1": gguf.GGMLQuantizationType.Q4_1,
              "q8_0": gguf.GGMLQuantizationType.Q8_0}

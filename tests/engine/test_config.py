@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 from safetensors import SafetensorError
 
+from engine.cli.tiny import tiny_config, write_tiny_model
 from engine.errors import ConfigError, WeightsError
-from engine.tiny import tiny_config, write_tiny_model
-from engine.tokenizer import Tokenizer
-from engine.weights import open_model
+from engine.files.tokenizer import Tokenizer
+from engine.files.weights import open_model
 
 
 @pytest.fixture(scope="module")
@@ -123,8 +123,8 @@ def test_compress_ratios_list_trunk_layers_then_mtp_layers(tiny_dirs, tmp_path):
 ])
 def test_compression_flags_breaking_a_rule_are_refused_before_weights_are_read(tiny_dirs, monkeypatch, ratios,
                                                                                budget, unified, message):
-    from engine.engine import Engine, EngineConfig
-    from engine.options import CompressRatios
+    from engine.engine import Engine
+    from engine.settings import CompressRatios, EngineConfig
     files = type(open_model(tiny_dirs["llama"]))
     monkeypatch.setattr(files, "load_tensors", lambda self: pytest.fail("tensor data was read"))
     config = EngineConfig(model=str(tiny_dirs["llama"]), ctx_size=64, kv_unified=unified,
@@ -135,7 +135,8 @@ def test_compression_flags_breaking_a_rule_are_refused_before_weights_are_read(t
 
 
 def test_a_model_naming_qsa_layers_in_its_config_loads_with_those_layers(tiny_dirs, tmp_path):
-    from engine.engine import Engine, EngineConfig
+    from engine.engine import Engine
+    from engine.settings import EngineConfig
     path = copy_with(tiny_dirs["llama"], tmp_path / "m", compress_ratios=[0, 4, 4], qsa_budget=64)
     engine = Engine.load(EngineConfig(model=str(path), ctx_size=64))
     assert [spec.describe() for spec in engine.model.specs] == ["dense", "qsa r=4", "qsa r=4"]
@@ -208,8 +209,8 @@ def test_shape_error_needs_no_tensor_data(tiny_dirs, tmp_path):
 
 
 def test_a_ratio_list_may_give_the_draft_layers_after_the_trunks(tiny_dirs):
-    from engine.config import with_compression
-    from engine.options import CompressRatios
+    from engine.files.model_config import with_compression
+    from engine.settings import CompressRatios
     config = open_model(tiny_dirs["llama"]).config  # three trunk layers
     target, draft = with_compression(config, CompressRatios.parse("0,4,0,4"), 8, draft_ratios=(0,))
     assert (target.layer_ratios, draft, target.qsa_budget) == ((0, 4, 0), (4,), 8)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.sampling import SamplingParams
+from engine.sched.sampling import SamplingParams
 from tests.exact_tokens import assert_same_greedy
 
 PROMPTS = ["Write a poem about tides", "Describe the city of Paris for a tourist.", "Explain photosynthesis in two sentences, for a ten-year-old who loves plants and gardens."]
@@ -28,11 +28,10 @@ def run_together(engine, prompts, params) -> list[list[int]]:
     outputs = [[] for _ in prompts]
     requests = [engine.submit(ids, params, lambda o, i=i: outputs[i].extend(o.token_ids), cache_prompt=False)
                 for i, ids in enumerate(prompts)]
-    engine._drain_inbox()
     max_rows = 0
     while any(r.finish_reason is None for r in requests):
-        max_rows = max(max_rows, len(engine.scheduler.running))
         engine.step()
+        max_rows = max(max_rows, len(engine.scheduler.running))
     assert max_rows == len(prompts), "the requests never shared a step"
     return outputs
 

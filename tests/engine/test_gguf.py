@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-from engine.model import Transformer
-from engine.tiny import BOS_ID, EOS_ID, hf_config, random_tensors, tensor_shapes
-from engine.weights import _GGUF_GLOBAL_NAMES, _GGUF_LAYER_NAMES, hf_name_of_gguf, open_model
+from engine.cli.tiny import BOS_ID, EOS_ID, hf_config, random_tensors, tensor_shapes
+from engine.files.weights import _GGUF_GLOBAL_NAMES, _GGUF_LAYER_NAMES, hf_name_of_gguf, open_model
+from engine.model.transformer import Transformer
 from tests.engine.test_parity import (MAX_POSITIONS, PROMPT_LEN, TOLERANCE, assert_matches, engine_logits,
                                       greedy_reference, load_engine_model, tiny_config)
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-import engine.drafter
 import engine.engine
-from engine.drafter import SpecConfig
-from engine.engine import Engine, EngineConfig
-from engine.sampling import SamplingParams
+import engine.spec.ngram
+from engine.engine import Engine
+from engine.sched.sampling import SamplingParams
+from engine.settings import EngineConfig, SpecConfig
 from tests.engine.runs import run_all
 
 PARAMS = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
@@ -44,13 +44,13 @@ def test_an_exception_sampling_one_request_fails_it_alone(engines, monkeypatch):
 def test_an_exception_drafting_for_one_request_fails_it_alone(engines, monkeypatch):
     _, ngram = engines
     alone = run_all(ngram, PROMPTS[:1], [PARAMS])[0].output_ids
-    real = engine.drafter.ngram_draft
+    real = engine.spec.ngram.ngram_draft
 
     def ngram_draft(ids, n, limit):
         if ids[:len(PROMPTS[1])] == PROMPTS[1]:
             raise RuntimeError("poisoned")
         return real(ids, n, limit)
-    monkeypatch.setattr(engine.drafter, "ngram_draft", ngram_draft)
+    monkeypatch.setattr(engine.spec.ngram, "ngram_draft", ngram_draft)
     good, bad = run_all(ngram, PROMPTS, [PARAMS, PARAMS])
     assert bad.finish_reason == "error" and good.finish_reason == "length" and good.output_ids == alone
     assert good.draft_n > 0

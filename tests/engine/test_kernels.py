@@ -1,4 +1,4 @@
-"""tandem's own CPU kernels (engine/csrc) compute what the torch reference computes, for every
+"""tandem's own CPU kernels (engine/ops/csrc) compute what the torch reference computes, for every
 weight format and the shapes the engine sends them (ragged K, a few rows, grouped heads), and the
 model gives the same logits with and without them."""
 from __future__ import annotations
@@ -7,14 +7,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine import blocks, kernels, quant, rope
-from engine import model as model_module
-from engine.arena import move_to_huge_pages
-from engine.batch import ForwardBatch, Row
-from engine.kv_cache import KVCache
-from engine.model import Transformer
-from engine.tiny import write_tiny_model
-from engine.weights import open_model
+from engine.cli.tiny import write_tiny_model
+from engine.files.weights import open_model
+from engine.model import rope, transformer
+from engine.model.batch import ForwardBatch, Row
+from engine.model.kv_cache import KVCache
+from engine.model.transformer import Transformer
+from engine.ops import blocks, kernels, quant
+from engine.ops.arena import move_to_huge_pages
 from tests.engine.test_parity import tiny_config
 
 
@@ -45,7 +45,7 @@ def test_linear_rows_matches_matmul(dtype, rows, k):
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 13, 16])
 @pytest.mark.parametrize("k", [32, 96, 160, 576, 2080])  # 2080: 65 blocks, past a chunk of scales
 def test_block_linear_rows_matches_dequantize_then_matmul(fmt, rows, k):
-    # A block weight widens in registers to the f32 numbers d * q engine.blocks.dequantize gives (a
+    # A block weight widens in registers to the f32 numbers d * q engine.ops.blocks.dequantize gives (a
     # q4_1 block's minimum m multiplies the block's sum of x apart): the product is torch's f32 one
     # on the dequantized matrix, up to the order and grouping of the sum.
     torch.manual_seed(rows * 1000 + k)
@@ -217,7 +217,7 @@ def test_whole_layer_kernel_equals_the_layer_by_layer_path(tmp_path, monkeypatch
     with_kernel, cache = run(dtype)
     assert 6 in calls  # the step itself went through the whole-layer kernel
     reference = run("f32")[0] if dtype == "bf16" else None
-    monkeypatch.setattr(model_module, "fused_layers", lambda *a: None)
+    monkeypatch.setattr(transformer, "fused_layers", lambda *a: None)
     layer_by_layer, reference_cache = run(dtype)
     if dtype == "bf16":
         # The verify and prompt rows' attention sums in another order (f32 in the kernel, bf16 in
@@ -250,8 +250,8 @@ def test_whole_layer_kernel_leaves_hand_built_masks_to_the_layer_by_layer_path(t
     x = torch.randn(3, model.config.hidden_size)
     cos, sin = model.cos[built.positions], model.sin[built.positions]
     with torch.inference_mode():
-        assert model_module.fused_layers(model.layers, x, built, cos, sin, cache) is not None
-        assert model_module.fused_layers(model.layers, x, by_hand, cos, sin, cache) is None
+        assert transformer.fused_layers(model.layers, x, built, cos, sin, cache) is not None
+        assert transformer.fused_layers(model.layers, x, by_hand, cos, sin, cache) is None
 
 
 def test_a_layer_with_a_hook_runs_module_by_module(tmp_path):

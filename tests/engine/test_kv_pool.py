@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.drafter import SpecConfig
-from engine.engine import Engine, EngineConfig
-from engine.kv_cache import PagedKVCache, PagePool
-from engine.sampling import SamplingParams
+from engine.engine import Engine
+from engine.model.kv_cache import PagedKVCache, PagePool
+from engine.sched.sampling import SamplingParams
+from engine.settings import EngineConfig, SpecConfig
 from tests.engine.runs import run_all
 
 

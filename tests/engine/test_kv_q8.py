@@ -5,10 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.batch import ForwardBatch, Row
-from engine.engine import Engine, EngineConfig
-from engine.kv_cache import KVCache, PagedKVCache, Q8Storage
-from engine.sampling import SamplingParams
+from engine.engine import Engine
+from engine.model.batch import ForwardBatch, Row
+from engine.model.kv_cache import KVCache, PagedKVCache, Q8Storage
+from engine.sched.sampling import SamplingParams
+from engine.settings import EngineConfig
 from tests.exact_tokens import assert_same_greedy
 
 

@@ -8,13 +8,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import mtp
-from engine.batch import ForwardBatch, Row
+from engine import settings
+from engine.cli.tiny import tiny_config, write_tiny_model
 from engine.errors import ConfigError
-from engine.kv_cache import KVCache
-from engine.qsa import DENSE
-from engine.tiny import tiny_config, write_tiny_model
-from engine.weights import open_model
+from engine.files.weights import open_model
+from engine.model import mtp
+from engine.model.batch import ForwardBatch, Row
+from engine.model.kv_cache import KVCache
+from engine.model.qsa import DENSE
+from engine.settings import DEFAULT_DRAFT
 from train.draft import draft_tensors
 
 SUBSET = 64
@@ -91,10 +93,10 @@ def test_the_shipped_draft_is_package_data_of_the_engine():
     import tomllib
     from fnmatch import fnmatch
     pyproject = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())
-    engine_dir = Path(mtp.__file__).parent
-    relative = mtp.DEFAULT_DRAFT.relative_to(engine_dir).as_posix()
+    engine_dir = Path(settings.__file__).parent
+    relative = DEFAULT_DRAFT.relative_to(engine_dir).as_posix()
     assert any(fnmatch(relative, pattern) for pattern in pyproject["tool"]["setuptools"]["package-data"]["engine"])
-    assert mtp.read_header(mtp.DEFAULT_DRAFT).target_name  # the file itself, not an LFS pointer
+    assert mtp.read_header(DEFAULT_DRAFT).target_name  # the file itself, not an LFS pointer
 
 
 def test_a_file_that_is_not_a_draft_is_refused(tmp_path):
@@ -112,13 +114,14 @@ def test_the_draft_streams_int8_weights_beside_a_target_computing_in_f32(target,
     # It only proposes, so its precision cannot change the output; its weights are read once per
     # drafted token, and int8 reads a quarter of f32's bytes. Its activations stay in the target's dtype.
     # A target in a block format (q4_1 here) gets its draft in that format, quantized on load.
-    from engine.drafter import SpecConfig, load_drafter
-    from engine.model import Transformer
+    from engine.model.transformer import Transformer
+    from engine.settings import SpecConfig
+    from engine.spec.loading import check_draft_files, load_drafter
     config, tensors, fingerprint = target
     save_draft(tmp_path / "draft.safetensors", config, tensors, fingerprint)
     spec = SpecConfig(type="draft-mtp", draft_model=str(tmp_path / "draft.safetensors"))
     model = Transformer(config, tensors, dtype, max_positions=64)
-    drafter = load_drafter(spec, model, tensors, dtype, slots=1, ctx_per_slot=64)
+    drafter = load_drafter(spec, check_draft_files(spec, config), model, tensors, dtype, slots=1, ctx_per_slot=64)
     layer = drafter.model.layers[0]
     assert layer.eh_proj.weight.dtype == drafter.model.head.weight.dtype == draft_weights
     assert drafter.cache.k[0].dtype == model.compute_dtype

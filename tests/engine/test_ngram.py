@@ -1,5 +1,5 @@
 """n-gram drafting proposes the continuation of the latest earlier match, and nothing without one."""
-from engine.ngram import ngram_draft
+from engine.spec.ngram import ngram_draft
 
 
 def test_proposes_what_followed_the_latest_match():

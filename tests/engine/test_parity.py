@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.batch import ForwardBatch, Row
-from engine.kv_cache import KVCache
-from engine.model import Transformer
-from engine.tiny import TOKENIZER_SIZE, tiny_config, write_tiny_model
-from engine.weights import open_model
+from engine.cli.tiny import TOKENIZER_SIZE, tiny_config, write_tiny_model
+from engine.files.weights import open_model
+from engine.model.batch import ForwardBatch, Row
+from engine.model.kv_cache import KVCache
+from engine.model.transformer import Transformer
 
 TOLERANCE = 1e-4  # max abs logit difference in f32
 PROMPT_LEN, CHUNK, DECODE_STEPS = 40, 16, 32

@@ -5,16 +5,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.batch import Row
-from engine.engine import EngineConfig
+from engine.cli.tiny import tiny_config, write_tiny_model
 from engine.errors import ConfigError
-from engine.kv_cache import PagedKVCache
+from engine.files.weights import open_model
+from engine.model.batch import Row
+from engine.model.kv_cache import PagedKVCache
 from engine.pipeline.head import MirroredCache, micro_batches
 from engine.pipeline.ranks import Rank, from_env
 from engine.pipeline.worker import WorkerStage
 from engine.preflight import read_headers
-from engine.tiny import tiny_config, write_tiny_model
-from engine.weights import open_model
+from engine.settings import EngineConfig
 
 
 def rows(*slots: int) -> list[Row]:

@@ -7,21 +7,20 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import kernels
-from engine.arena import move_to_huge_pages
-from engine.batch import ForwardBatch, Row
-from engine.drafter import SpecConfig
+from engine.cli.tiny import tiny_config, write_tiny_model
+from engine.engine import Engine
 from engine.errors import ConfigError
-from engine.engine import Engine, EngineConfig
+from engine.files.weights import open_model
 from engine.footprint import device_needs, estimated_format, measure
-from engine.kv_cache import KV_DTYPES, KVCache, PagedKVCache
-from engine.model import Transformer, embed_rows, embedding_table
-from engine.options import CompressRatios
+from engine.model.batch import ForwardBatch, Row
+from engine.model.kv_cache import KV_DTYPES, KVCache, PagedKVCache
+from engine.model.transformer import Transformer, embed_rows, embedding_table
+from engine.ops import kernels
+from engine.ops.arena import move_to_huge_pages
 from engine.placement import Placement, split_by_proportions
 from engine.preflight import read_headers
-from engine.sampling import SamplingParams
-from engine.tiny import tiny_config, write_tiny_model
-from engine.weights import open_model
+from engine.sched.sampling import SamplingParams
+from engine.settings import CompressRatios, EngineConfig, SpecConfig
 from tests.engine.runs import run_all
 from tests.engine.test_qsa_engine import write_llama8_with_drafts
 from tests.exact_tokens import assert_same_greedy
@@ -246,7 +245,7 @@ def test_the_fit_estimate_is_what_the_engine_allocates(llama8, options):
     engine then allocates."""
     config = EngineConfig(model=str(llama8), ctx_size=256, parallel=2, devices=("cpu", "cpu"), **options)
     headers = read_headers(config)
-    [need] = device_needs(config, headers.model, headers.placement, 0).values()
+    [need] = device_needs(config, headers.model, headers.placement, headers.draft).values()
     engine = Engine.load(config, headers)
     [cpu] = engine.devices
     assert need.kv == cpu.kv_bytes

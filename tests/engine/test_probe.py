@@ -1,4 +1,4 @@
-"""Attention probes (engine/probe.py): head_mean equals transformers' eager attention weights reduced
+"""Attention probes (engine/model/probe.py): head_mean equals transformers' eager attention weights reduced
 the same way, qk its post-RoPE q and k; a probe changes no token, leaves unprobed steps on the fused
 kernel, reads the same through a cached prefix, and keeps each slot's probe its own."""
 from __future__ import annotations
@@ -10,14 +10,14 @@ import numpy as np
 import pytest
 import torch
 
-from engine import kernels
-from engine.engine import Engine, EngineConfig
+from engine.cli.tiny import write_tiny_model
+from engine.engine import Engine
 from engine.errors import ConfigError
-from engine.options import CompressRatios
-from engine.probe import MAX_LAYERS, MAX_POSITIONS, ProbeSpec, Window
-from engine.request import Request
-from engine.sampling import SamplingParams
-from engine.tiny import write_tiny_model
+from engine.model.probe import MAX_LAYERS, MAX_POSITIONS, ProbeSpec, Window
+from engine.ops import kernels
+from engine.sched.request import Request
+from engine.sched.sampling import SamplingParams
+from engine.settings import CompressRatios, EngineConfig
 from tests.engine.runs import run_all
 from tests.engine.test_parity import one_thread, tiny_config  # noqa: F401 (one_thread: autouse)
 from tests.engine.test_qsa_engine import write_llama8_with_drafts
@@ -231,7 +231,7 @@ def test_a_qsa_layer_reports_the_kept_blocks_it_attended(tmp_path):
 
 
 def test_the_command_saves_and_plots_the_values(tiny, tmp_path, monkeypatch, capsys):
-    from engine import probe
+    from engine.cli import probe
     path, _ = tiny("llama")
     out, plot = tmp_path / "values.npy", tmp_path / "strip.png"
     monkeypatch.setattr("sys.argv", ["probe", "-m", str(path), "--prompt", "a short prompt", "--layers", "0,-1",

@@ -9,16 +9,16 @@ import os
 import pytest
 import torch
 
-from engine import kernels
-from engine.batch import ForwardBatch, Row
-from engine.config import with_compression
-from engine.kv_cache import KVCache, PagedKVCache
-from engine.model import Transformer, fused_layers
-from engine.options import CompressRatios
-from engine.qsa import LayerSpec
-from engine.rope import rotate
-from engine.tiny import tiny_config, write_tiny_model
-from engine.weights import open_model
+from engine.cli.tiny import tiny_config, write_tiny_model
+from engine.files.model_config import with_compression
+from engine.files.weights import open_model
+from engine.model.batch import ForwardBatch, Row
+from engine.model.kv_cache import KVCache, PagedKVCache
+from engine.model.qsa import LayerSpec
+from engine.model.rope import rotate
+from engine.model.transformer import Transformer, fused_layers
+from engine.ops import kernels
+from engine.settings import CompressRatios
 
 
 def tiny(tmp_path_factory, name: str, **overrides):
@@ -174,8 +174,9 @@ def test_pooled_keys_equal_the_mean_of_each_blocks_current_keys_after_rewrites(l
 
 
 def test_only_qsa_layers_own_a_pool_and_a_dense_draft_layer_beside_them_owns_none(llama8, tmp_path):
-    from engine.drafter import SpecConfig, load_drafter
-    from engine import mtp
+    from engine.model import mtp
+    from engine.settings import SpecConfig
+    from engine.spec.loading import check_draft_files, load_drafter
     from tests.engine.test_mtp import save_draft
     config, tensors = llama8
     model = model_with(config, tensors, "every4:4", 8)
@@ -185,7 +186,7 @@ def test_only_qsa_layers_own_a_pool_and_a_dense_draft_layer_beside_them_owns_non
     fingerprint = mtp.target_fingerprint(config, tensors["model.embed_tokens.weight"])
     save_draft(tmp_path / "draft.safetensors", config, tensors, fingerprint)
     spec = SpecConfig(type="draft-mtp", draft_model=str(tmp_path / "draft.safetensors"))
-    drafter = load_drafter(spec, model, tensors, "f32", slots=2, ctx_per_slot=64)
+    drafter = load_drafter(spec, check_draft_files(spec, config), model, tensors, "f32", slots=2, ctx_per_slot=64)
     assert drafter.model.layers[0].block.self_attn.spec.kind == "dense"
     assert drafter.cache.kpool == [None]
 

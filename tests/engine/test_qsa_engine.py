@@ -8,15 +8,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import mtp
-from engine.batch import ForwardBatch, Row
-from engine.drafter import SpecConfig
-from engine.engine import Engine, EngineConfig
-from engine.kv_cache import KVCache
-from engine.options import CompressRatios
-from engine.sampling import SamplingParams
-from engine.tiny import tiny_config, write_tiny_model
-from engine.weights import open_model
+from engine.cli.tiny import tiny_config, write_tiny_model
+from engine.engine import Engine
+from engine.files.weights import open_model
+from engine.model import mtp
+from engine.model.batch import ForwardBatch, Row
+from engine.model.kv_cache import KVCache
+from engine.sched.sampling import SamplingParams
+from engine.settings import CompressRatios, EngineConfig, SpecConfig
 from tests.engine.runs import run_all
 from tests.engine.test_mtp import save_draft
 from tests.exact_tokens import assert_same_greedy
@@ -92,18 +91,18 @@ def test_unified_and_q8_caches_with_qsa_give_the_per_slot_f32_greedy_tokens(defa
 def test_pool_inputs_are_built_for_qsa_layers_only_beside_a_dense_draft(target, monkeypatch):
     """Selection is computed from a layer's own spec: with QSA trunk layers 3 and 7 beside a dense
     MTP draft layer, every call is a QSA layer's, and the draft's cache owns no pool."""
-    import engine.qsa
+    import engine.model.qsa
     path, dense_draft, _ = target
     spec = SpecConfig(type="draft-mtp", draft_model=str(dense_draft), n_max=3, p_min=0.0)
     eng = Engine.load(EngineConfig(model=str(path), ctx_size=256, parallel=2, compress_ratios=EVERY4, qsa_budget=8,
                                    spec=spec))
     seen = []
-    real = engine.qsa.sparse_keys
+    real = engine.model.qsa.sparse_keys
 
     def sparse_keys(q, keys, values, kpool, positions, layer_spec):
         seen.append(layer_spec)
         return real(q, keys, values, kpool, positions, layer_spec)
-    monkeypatch.setattr(engine.qsa, "sparse_keys", sparse_keys)
+    monkeypatch.setattr(engine.model.qsa, "sparse_keys", sparse_keys)
     run_all(eng, PROMPTS, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     assert seen and all(s.is_qsa for s in seen)
     assert [i for i, pool in enumerate(eng.cache.kpool) if pool is not None] == [3, 7]

@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.batch import ForwardBatch, Row
-from engine.kv_cache import KVCache
-from engine.model import Transformer
-from engine.quant import KERNEL_MAX_ROWS
-from engine.weights import open_model
+from engine.files.weights import open_model
+from engine.model.batch import ForwardBatch, Row
+from engine.model.kv_cache import KVCache
+from engine.model.transformer import Transformer
+from engine.ops.quant import KERNEL_MAX_ROWS
 
 TEXT = Path("/usr/share/common-licenses/GPL-3")
 N_TOKENS = 1000
@@ -25,7 +25,7 @@ N_TOKENS = 1000
 @pytest.fixture(scope="module")
 def reading():
     """(tokens, files, tensors) for the first N_TOKENS + 1 tokens of GPL-3."""
-    from engine.tokenizer import Tokenizer
+    from engine.files.tokenizer import Tokenizer
     files = open_model("default")
     ids = Tokenizer.load(files).encode(TEXT.read_text())[:N_TOKENS + 1]
     assert len(ids) == N_TOKENS + 1

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from engine.errors import ConfigError
-from engine.sampling import SamplingParams, adjust_logits, choose, distribution, make_generator, sample
+from engine.sched.sampling import SamplingParams, adjust_logits, choose, distribution, make_generator, sample
 
 LOGITS = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
 

@@ -2,10 +2,10 @@
 ubatch-sized prompt chunks, prefix reuse, cancellation freeing the slot."""
 from __future__ import annotations
 
-from engine.request import Request
-from engine.sampling import SamplingParams
-from engine.kv_cache import PagedKVCache
-from engine.scheduler import Scheduler
+from engine.model.kv_cache import PagedKVCache
+from engine.sched.request import Request
+from engine.sched.sampling import SamplingParams
+from engine.sched.scheduler import Scheduler
 
 
 def request(prompt: list[int], **kwargs) -> Request:
@@ -14,7 +14,7 @@ def request(prompt: list[int], **kwargs) -> Request:
 
 def decode(s: Scheduler, req: Request, token: int) -> None:
     """Pretend the engine sampled `token` for req after a step."""
-    req.output_ids.append(token)
+    req.token_ids.append(token)
 
 
 def test_long_prompt_prefills_in_chunks_beside_other_slots_decode():
@@ -64,7 +64,7 @@ def test_prefix_reuse_picks_the_slot_holding_the_prompt_start_unless_disabled():
 
 def test_a_request_pinned_to_a_busy_slot_does_not_hold_back_the_next_one():
     s = Scheduler(num_slots=2, ctx_per_slot=256, batch_size=512, ubatch_size=64)
-    first, pinned, free = request([1, 1], slot_id=0), request([2, 2], slot_id=0), request([3, 3])
+    first, pinned, free = request([1, 1], pinned_slot=0), request([2, 2], pinned_slot=0), request([3, 3])
     for r in (first, pinned, free):
         s.add(r)
     s.plan(0.0)
@@ -89,11 +89,11 @@ def test_a_preempted_request_resumes_at_the_queue_head_recomputing_prompt_and_ou
     assert plan.preempted == [younger] and [r.request for r in plan.rows] == [older]
     assert younger.slot is None and younger.num_computed == 0 and younger.output_ids
     dropped = younger.dropped_n
-    assert dropped == len(younger.all_ids) - 1
+    assert dropped == len(younger.token_ids) - 1
     s.add(later)
     assert list(s.waiting) == [younger, later]
     s.release(older)
     rows = {r.request.id: r for r in s.plan(20.0).rows}  # room again: both are admitted
     row = rows[younger.id]
-    assert row.row.tokens == younger.all_ids[:-1] and not row.samples
+    assert row.row.tokens == younger.token_ids[:-1] and not row.samples
     assert younger.recomputed_n == dropped and younger.cache_n == 0

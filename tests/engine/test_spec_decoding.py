@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.batch import ForwardBatch, Row
-from engine.drafter import SpecConfig
-from engine.engine import Engine, EngineConfig
-from engine.mtp import DEFAULT_DRAFT as MTP_DRAFT
-from engine.sampling import SamplingParams
+from engine.engine import Engine
+from engine.model.batch import ForwardBatch, Row
+from engine.sched.sampling import SamplingParams
+from engine.settings import DEFAULT_DRAFT as MTP_DRAFT
+from engine.settings import EngineConfig, SpecConfig
 from tests.engine.test_generation import chat_ids, run_alone, run_together
 from tests.exact_tokens import assert_same_greedy
 
@@ -90,7 +90,7 @@ def test_rejected_drafts_leave_exactly_the_accepted_tokens_in_the_cache(ngram_en
     req = steps[-1].request
     assert req.draft_n > req.draft_n_accepted > 0, "the run must include both accepted and rejected drafts"
     n = req.num_computed
-    text = req.all_ids[:n]
+    text = req.token_ids[:n]
     assert ngram_engine.scheduler.slots[req.slot].cached_ids == text
     # A fresh prefill of the same text into the other slot: the caches and the next logits agree.
     other = 1 - req.slot
@@ -109,7 +109,7 @@ def test_rejected_drafts_leave_exactly_the_accepted_tokens_in_the_cache(ngram_en
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
-    from engine.tiny import tiny_config, write_tiny_model
+    from engine.cli.tiny import tiny_config, write_tiny_model
     config = tiny_config()
     return write_tiny_model(config, tmp_path_factory.mktemp("tiny-draft"), seed=0)
 

@@ -9,15 +9,16 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from engine import mtp
-from engine.batch import ForwardBatch, Row
-from engine.drafter import SpecConfig, Span
-from engine.engine import Engine, EngineConfig
+from engine.engine import Engine
 from engine.errors import ConfigError
-from engine.request import DraftLimits, Request
-from engine.sampling import SamplingParams, distribution, make_generator
-from engine.speculative import verify
-from engine.weights import open_model
+from engine.files.weights import open_model
+from engine.model import mtp
+from engine.model.batch import ForwardBatch, Row
+from engine.sched.request import Request
+from engine.sched.sampling import SamplingParams, distribution, make_generator
+from engine.settings import DraftLimits, EngineConfig, SpecConfig
+from engine.spec.acceptance import verify
+from engine.spec.drafter import Span
 from tests.engine.test_mtp import save_draft
 
 GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
@@ -55,7 +56,6 @@ def run(engine: Engine, ids: list[int], params: SamplingParams, limits: DraftLim
     """(tokens, the finished request, the length of each draft the request got)."""
     out, drafts = [], []
     req = engine.submit(ids, params, lambda o: out.extend(o.token_ids), cache_prompt=False, draft_limits=limits)
-    engine._drain_inbox()
     while req.finish_reason is None:
         engine.step()
         drafts.append(len(req.draft.tokens))
@@ -162,9 +162,10 @@ def test_sampled_drafts_keep_the_target_distribution(tiny_model, draft, kind, p_
     history, y = history_with_a_lookup(engine, params)
     hidden, logits = target_pass(engine, history)
     p = distribution(logits[0], params)
-    req = Request("draws", history[:-1], params, on_output=None, output_ids=history[-1:], slot=0,
-                  num_computed=len(history) - 1, generator=make_generator(11),
+    req = Request("draws", history[:-1], params, on_output=None, generator=make_generator(11),
                   draft_limits=engine.config.spec.request_limits(n_max=1))
+    req.token_ids.append(history[-1])  # the history's last token as the request's output
+    req.admit(slot=0, reuse=len(history) - 1, now=0.0)
     n = len(history) - 1
     first, lookups = [], 0
     for i in range(DRAWS):
@@ -174,7 +175,7 @@ def test_sampled_drafts_keep_the_target_distribution(tiny_model, draft, kind, p_
         assert len(got.tokens) == 1 and got.q.shape == (1, engine.model.config.vocab_size)
         assert len(got.siblings) == (2 if branch == "tree" else 0)
         lookups += got.tokens == [y] and float(got.q[0, y]) == 1.0
-        verdict = verify(got, logits.expand(1 + len(got.row), -1), params, req.all_ids, req.generator)
+        verdict = verify(got, logits.expand(1 + len(got.row), -1), params, req.token_ids, req.generator)
         first.append(verdict.tokens[0])
     assert (lookups == DRAWS) == (branch == "lookup")
     observed = torch.bincount(torch.tensor(first), minlength=p.numel()).double()
@@ -195,7 +196,6 @@ def test_past_max_batch_decoding_requests_no_request_drafts_and_output_stays_the
     outs = [[], []]
     reqs = [engine.submit(ids, GREEDY, lambda o, out=out: out.extend(o.token_ids),
                           cache_prompt=False) for out in outs]
-    engine._drain_inbox()
     while any(r.finish_reason is None for r in reqs):
         engine.step()
         both_decode = all(r.finish_reason is None and not r.prefilling for r in reqs)
@@ -208,24 +208,23 @@ def test_past_max_batch_decoding_requests_no_request_drafts_and_output_stays_the
 
 @pytest.mark.parametrize("chunk", [128, 3])
 def test_past_max_batch_the_draft_catches_up_later_in_one_forward_and_its_cache_ends_whole(tiny_model, draft, plain,
-                                                                                          monkeypatch, chunk):
+                                                                                          chunk):
     """While two requests decode past max_batch 1 the drafter is not called at all (unless a request
-    owes CATCH_UP_CHUNK positions); the positions they commit meanwhile are caught up when the one
+    owes a chunk of positions); the positions they commit meanwhile are caught up when the one
     left drafts again, when a request owes a chunk, and when the other finishes. Whichever, the
     draft's cache ends as it does for each request served alone."""
-    monkeypatch.setattr("engine.engine.CATCH_UP_CHUNK", chunk)
     spec = SpecConfig(type="draft-mtp", draft_model=str(draft), n_max=3, p_min=0.0, max_batch=1)
     ids = plain.tokenizer.encode(PROMPT)
     lengths = [GREEDY, dataclasses.replace(GREEDY, max_tokens=12)]
 
     def serve(params: list[SamplingParams]):
         engine = Engine.load(EngineConfig(model=str(tiny_model), ctx_size=512, parallel=2, spec=spec))
+        engine.drafting.catch_up_chunk = chunk
         drafted, busy_calls = engine.drafter.draft, []
         outs = [[] for _ in params]
         reqs = [engine.submit(ids, p, lambda o, out=out: out.extend(o.token_ids), cache_prompt=False)
                 for p, out in zip(params, outs)]
-        engine._drain_inbox()
-
+    
         def both_decode() -> bool:
             return len(reqs) > 1 and all(r.finish_reason is None and not r.prefilling for r in reqs)
 
@@ -237,7 +236,7 @@ def test_past_max_batch_the_draft_catches_up_later_in_one_forward_and_its_cache_
         while any(r.finish_reason is None for r in reqs):
             steps_together += both_decode()
             engine.step()
-        k = engine.drafter.cached.cache.k[0]  # [slots, kv_heads, ctx, head_dim]
+        k = engine.drafter.resident()[1].k[0]  # [slots, kv_heads, ctx, head_dim]
         return outs, [k[r.slot].clone() for r in reqs], steps_together, busy_calls
 
     outs, caches, steps_together, busy_calls = serve(lengths)

@@ -6,8 +6,8 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from engine.request import Draft
-from engine.speculative import accept_greedy, accept_sampled
+from engine.sched.request import Draft
+from engine.spec.acceptance import accept_greedy, accept_sampled
 
 DRAWS = 50_000
 

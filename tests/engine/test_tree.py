@@ -1,4 +1,4 @@
-"""Tree verify rows (engine/batch.py, docs/architecture.md "Trees"): a sibling written at a scratch
+"""Tree verify rows (engine/model/batch.py, docs/architecture.md "Trees"): a sibling written at a scratch
 position past the chain attends as the chain node it stands for, on the whole-layer kernel and the
 layer-by-layer path alike, and once kept, its K/V moves down to the position it was verified for."""
 from __future__ import annotations
@@ -6,20 +6,19 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import kernels
-from engine import model as model_module
-from engine.batch import ForwardBatch, Row, tree_mask
-from engine.drafter import CachedDrafter, Span, SpecConfig
-from engine.engine import EngineConfig
+from engine.cli.tiny import write_tiny_model
 from engine.errors import ConfigError
-from engine.kv_cache import KVCache
-from engine.model import Transformer
-from engine.options import CompressRatios
+from engine.files.weights import open_model
+from engine.model import transformer
+from engine.model.batch import ForwardBatch, Row, tree_mask
+from engine.model.kv_cache import KVCache
+from engine.model.transformer import Transformer
+from engine.ops import kernels
 from engine.preflight import read_headers
-from engine.request import DraftLimits, Request
-from engine.sampling import SamplingParams
-from engine.tiny import write_tiny_model
-from engine.weights import open_model
+from engine.sched.request import Request
+from engine.sched.sampling import SamplingParams
+from engine.settings import CompressRatios, DraftLimits, EngineConfig, SpecConfig
+from engine.spec.drafter import CachedDrafter, Span
 from tests.engine.test_parity import tiny_config
 
 PROMPT = list(range(3, 14))
@@ -45,7 +44,7 @@ def test_a_sibling_gets_the_logits_and_kv_of_the_chain_token_it_stands_for(tmp_p
         kernel = kernels.decoder_layers
         monkeypatch.setattr(kernels, "decoder_layers", lambda x, *a: calls.append(len(x)) or kernel(x, *a))
     else:
-        monkeypatch.setattr(model_module, "fused_layers", lambda *a: None)
+        monkeypatch.setattr(transformer, "fused_layers", lambda *a: None)
     n = len(PROMPT)
     with torch.inference_mode():
         for slot in (0, 1):
@@ -81,7 +80,7 @@ class FixedDrafter(CachedDrafter):
         self.logits = torch.tensor(probs).log()
 
     def catch_up_rows(self, span):
-        return Row(span.request.slot, span.start, span.request.all_ids[span.start:span.end + 1]), None
+        return Row(span.request.slot, span.start, span.request.token_ids[span.start:span.end + 1]), None
 
     def run(self, depth, rows, hidden, at=None):
         return None, self.logits.expand(len(rows) if at is None else len(at), -1)
@@ -99,7 +98,9 @@ class FixedDrafter(CachedDrafter):
     ([0.60, 0.15, 0.05, 0.05, 0.05, 0.04, 0.03, 0.03], 2, [0, 0, 0], [(0, 1), (1, 1), (2, 1)]),
 ])
 def test_a_depth_below_p_min_is_verified_when_its_candidates_hold_p_min_together(probs, width, tokens, siblings):
-    req = Request("r", [5, 6, 7], SamplingParams(temperature=0), on_output=None, slot=0, num_computed=3,
-                  output_ids=[3], draft_limits=DraftLimits(n_max=3, n_min=0, p_min=0.5))
+    req = Request("r", [5, 6, 7], SamplingParams(temperature=0), on_output=None,
+                  draft_limits=DraftLimits(n_max=3, n_min=0, p_min=0.5))
+    req.token_ids.append(3)  # one output token: the request decodes
+    req.admit(slot=0, reuse=3, now=0.0)
     draft = FixedDrafter(probs, width).draft([Span(req, 0, 3, None, room=16)])[req]
     assert (draft.tokens, draft.siblings) == (tokens, siblings)

@@ -1,9 +1,9 @@
-"""`python -m engine.validate`: a model's summary from its headers, with the compression flags
+"""`python -m engine.cli.validate`: a model's summary from its headers, with the compression flags
 applied and the cache's bytes per layer kind; a bad value exits 2 with one message."""
 from __future__ import annotations
 
-from engine.tiny import tiny_config, write_tiny_model
-from engine.validate import main
+from engine.cli.tiny import tiny_config, write_tiny_model
+from engine.cli.validate import main
 
 
 def test_validate_reports_kv_and_pooled_key_bytes_per_layer_kind(tmp_path, capsys):

@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.batch import ForwardBatch, Row
-from engine.drafter import SpecConfig
-from engine.engine import Engine, EngineConfig
-from engine.kv_cache import KVCache
-from engine.sampling import SamplingParams
-from engine.validate import stored_formats
+from engine.cli.validate import stored_formats
+from engine.engine import Engine
+from engine.model.batch import ForwardBatch, Row
+from engine.model.kv_cache import KVCache
+from engine.sched.sampling import SamplingParams
+from engine.settings import EngineConfig, SpecConfig
 from tests.engine.test_generation import chat_ids, run_alone, run_together
 from tests.engine.test_spec_decoding import MTP_DRAFT
 from tests.exact_tokens import assert_same_greedy

@@ -6,10 +6,10 @@ import sqlite3
 from pathlib import Path
 
 from proxy import events as ev
-from proxy.config import ProxyConfig, ProxySettings, Profile
+from proxy.config import Profile, ProxyConfig, ProxySettings
+from proxy.controller import Controller
 from proxy.jobs import Job, JobStore, JobType, Trigger
 from proxy.router import Waiter
-from proxy.controller import Controller
 
 
 class FakeEffects:

@@ -12,8 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from proxy.children import ChildRegistry, reap_leftovers, start_ticks
 from bench.processes import alive, pids_with, wait_until
+from proxy.children import ChildRegistry, reap_leftovers, start_ticks
 from tests.proxy.conftest import tiny_profile
 
 STUBBORN = ("import pathlib, signal, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "

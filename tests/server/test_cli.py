@@ -5,10 +5,9 @@ import sys
 import pytest
 
 from engine.errors import ConfigError
-from engine.kv_cache import KV_DTYPES
-from engine.mtp import DEFAULT_DRAFT
-from engine.options import DTYPES, KV_CACHE_TYPES
-from engine.quant import TORCH_DTYPES
+from engine.model.kv_cache import KV_DTYPES
+from engine.ops.quant import TORCH_DTYPES
+from engine.settings import DEFAULT_DRAFT, DTYPES, KV_CACHE_TYPES
 from server.cli import parse
 from server.flags import AUTO_PARALLEL, FlagError, parse_flags
 from tests.server.helpers import ROOT
@@ -49,7 +48,7 @@ def test_a_combination_of_flags_is_the_engines_to_refuse():
 
 def test_the_flag_parser_imports_no_torch_and_no_engine_model_code():
     code = ("import sys, server.flags; bad = [m for m in sys.modules if m == 'torch' or "
-            "(m.split('.')[0] == 'engine' and m not in ('engine', 'engine.options', 'engine.placement'))]; "
+            "(m.split('.')[0] == 'engine' and m not in ('engine', 'engine.settings', 'engine.errors', 'engine.placement'))]; "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=60)
 

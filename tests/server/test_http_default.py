@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from engine.mtp import DEFAULT_DRAFT
+from engine.settings import DEFAULT_DRAFT
 from tests.exact_tokens import NEAR_TIE, first_difference
 from tests.server.helpers import sse_events
 

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from bench.processes import ROOT, free_port
-from engine import mtp
-from engine.weights import open_model
+from engine.files.weights import open_model
+from engine.model import mtp
 from tests.engine.test_gguf import Q, write_gguf
 from tests.engine.test_mtp import save_draft
 

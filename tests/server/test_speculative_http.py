@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from engine.mtp import DEFAULT_DRAFT
+from engine.settings import DEFAULT_DRAFT
 from tests.server.test_devices_flags import start
 
 PROMPT = "the cat sat on the mat and the cat sat on the mat and the cat sat on the"
@@ -26,8 +26,8 @@ def servers(start_server, tiny_model):
 def combined(start_server, tiny_model, tmp_path_factory):
     """A server with draft-mtp-ngram (by its alias) and an untrained MTP draft for the tiny model,
     verifying siblings beside its chains."""
-    from engine import mtp
-    from engine.weights import open_model
+    from engine.files.weights import open_model
+    from engine.model import mtp
     from tests.engine.test_mtp import save_draft
     files = open_model(tiny_model)
     tensors = files.load_tensors()

@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.drafter import SpecConfig
-from engine.engine import Engine, EngineConfig
-from engine.sampling import SamplingParams
-from engine.tokenizer import Tokenizer
-from engine.weights import open_model
+from engine.engine import Engine
+from engine.files.tokenizer import Tokenizer
+from engine.files.weights import open_model
+from engine.sched.sampling import SamplingParams
+from engine.settings import EngineConfig, SpecConfig
 from tests.engine.test_generation import run_alone
 from tests.server.helpers import ROOT
 from train.data import Data

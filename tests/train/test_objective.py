@@ -6,9 +6,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import mtp
-from engine.qsa import DENSE
-from engine.weights import open_model
+from engine.files.weights import open_model
+from engine.model import mtp
+from engine.model.qsa import DENSE
 from train import objective
 from train.data import Sequence
 from train.draft import draft_tensors

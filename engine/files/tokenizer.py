@@ -6,7 +6,7 @@ import logging
 from pathlib import Path
 
 from engine.errors import ConfigError
-from engine.weights import ModelFiles
+from engine.files.weights import ModelFiles
 
 
 @functools.lru_cache(maxsize=4)

@@ -1,4 +1,4 @@
-"""tandem's own CPU kernels (engine/csrc), compiled on first use for the CPU they run on.
+"""tandem's own CPU kernels (engine/ops/csrc), compiled on first use for the CPU they run on.
 
 The build is cached (torch's extension directory, keyed by source and CPU), so only the first
 load on a machine pays the compile, about a minute. Where no compiler is available the engine
@@ -81,7 +81,7 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | Non
     """x [M, K] @ weight [N, K]^T * scale [N] + bias [N] -> [M, N] in x's dtype, for small M.
 
     weight is f32, bf16 or int8 [N, K], or uint8 [N, K / 32 * B]: each row K / 32 GGUF blocks of
-    B bytes, B naming the format (18 q4_0, 20 q4_1, 34 q8_0; engine/blocks.py has the layouts), so
+    B bytes, B naming the format (18 q4_0, 20 q4_1, 34 q8_0; engine/ops/blocks.py has the layouts), so
     a block weight travels through the whole-layer kernel in the same slot as any other, scale None.
     """
     return _ops().linear_rows(x, weight, scale, bias)
@@ -89,7 +89,7 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | Non
 
 def dequantize_blocks(weight: torch.Tensor, cols: int) -> torch.Tensor:
     """uint8 GGUF blocks [N, cols / 32 * B] (as linear_rows reads them) -> f32 [N, cols], the same
-    numbers as engine.blocks.dequantize."""
+    numbers as engine.ops.blocks.dequantize."""
     return _ops().dequantize_blocks(weight, cols)
 
 
@@ -122,6 +122,6 @@ def decoder_layers(x: torch.Tensor, weights: list[torch.Tensor | None], k_cache:
     LayerSpec's ratio and budget (0 and 0 for a dense layer) and, for a QSA layer, its pooled keys
     [S, KVH, C // ratio, D] f32 (None for a dense one), which the rows' completed blocks update.
     rope_positions: a tree's verify rows (dense layers only): token n, written at positions[n],
-    attends to 0 .. rope_positions[n]-1 and then itself (engine/batch.py tree_mask)."""
+    attends to 0 .. rope_positions[n]-1 and then itself (engine/model/batch.py tree_mask)."""
     return _ops().decoder_layers(x, weights, k_cache, v_cache, kpools, ratios, budgets, slots, positions, cos, sin,
                                  heads, kv_heads, eps, rope_positions)

@@ -14,15 +14,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine import blocks, kernels, qsa
-from engine.arena import move_to_huge_pages
-from engine.batch import ForwardBatch
-from engine.config import ModelConfig
-from engine.kv_cache import KVCache
+from engine.files.model_config import ModelConfig
+from engine.model import qsa
+from engine.model.batch import ForwardBatch
+from engine.model.kv_cache import KVCache
+from engine.model.qsa import LayerSpec
+from engine.model.rope import rope_table, rotate
+from engine.ops import blocks, kernels
+from engine.ops.arena import move_to_huge_pages
+from engine.ops.quant import FormatUse, Linear, compute_dtype, weight_formats
 from engine.placement import Placement
-from engine.qsa import LayerSpec
-from engine.quant import FormatUse, Linear, compute_dtype, weight_formats
-from engine.rope import rope_table, rotate
 
 
 class RMSNorm(nn.Module):
@@ -262,7 +263,7 @@ class Stage(nn.Module):
 
 class Transformer(nn.Module):
     """Built from tensors under HF names, f32 or (linear weights) GGUF blocks; `dtype` is the weight
-    format (engine.options.DTYPES), each linear weight's own as engine.quant.stored_format says;
+    format (engine.settings.DTYPES), each linear weight's own as engine.ops.quant.stored_format says;
     `placement` puts the layers in stages (default: one stage on the CPU)."""
 
     def __init__(self, config: ModelConfig, tensors: dict[str, torch.Tensor], dtype: str = "f32",

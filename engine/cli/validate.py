@@ -1,4 +1,4 @@
-"""`python -m engine.validate PATH [--compress-ratios R] [--qsa-budget N] [-c CTX -np N]`: a model's
+"""`python -m engine.cli.validate PATH [--compress-ratios R] [--qsa-budget N] [-c CTX -np N]`: a model's
 summary from its file headers, or one clear error (exit code 2). No tensor data is read. With a
 context size it adds the KV cache's and the pooled keys' bytes per layer kind."""
 from __future__ import annotations
@@ -7,13 +7,13 @@ import argparse
 import math
 import sys
 
-from engine.config import cache_bytes_per_position, describe_rope, with_compression
 from engine.errors import TandemError
-from engine.kv_cache import KV_BYTES_PER_VALUE, KV_DTYPES
-from engine.options import CompressRatios
-from engine.blocks import GGUF_TYPES
-from engine.quant import BYTES_PER_WEIGHT, FormatUse, describe_formats, tally
-from engine.weights import ModelFiles, open_model
+from engine.files.model_config import cache_bytes_per_position, describe_rope, with_compression
+from engine.files.weights import ModelFiles, open_model
+from engine.model.kv_cache import KV_BYTES_PER_VALUE, KV_DTYPES
+from engine.ops.blocks import GGUF_TYPES
+from engine.ops.quant import BYTES_PER_WEIGHT, FormatUse, describe_formats, tally
+from engine.settings import CompressRatios
 
 
 def _size(n: float) -> str:
@@ -80,7 +80,7 @@ def _ratios(value: str) -> CompressRatios:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m engine.validate", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m engine.cli.validate", description=__doc__.split("\n\n")[0])
     p.add_argument("path", help="HF model directory, .gguf file, or 'default'")
     p.add_argument("--compress-ratios", type=_ratios, help="as the server's flag: a list, everyN:R, all:R or none")
     p.add_argument("--qsa-budget", type=int, help="as the server's flag")

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from engine.probe import ProbeCapture
+    from engine.model.probe import ProbeCapture
 
 NO_ROWS = torch.empty(0, dtype=torch.long)
 
@@ -39,7 +39,7 @@ class ForwardBatch:
     # Each token's slot, [N]: with causal masks every token is a row of its own (model.fused_layers).
     # Left empty by a batch built by hand with other masks, which then runs layer by layer.
     slots: torch.Tensor = field(default_factory=lambda: NO_ROWS)
-    # Per row, the probe that captures from it (engine/probe.py); None when no row probes, the
+    # Per row, the probe that captures from it (engine/model/probe.py); None when no row probes, the
     # common case, which then runs exactly as without probes.
     probes: list[ProbeCapture | None] | None = None
     # [N] each token's position for RoPE, when a tree row makes it differ from `positions`.

@@ -1,5 +1,5 @@
 """Weight formats for linear layers: f32, bf16, weight-only int8, and GGUF's blocks (q4_0, q4_1,
-q8_0, engine/blocks.py).
+q8_0, engine/ops/blocks.py).
 
 int8 stores one scale per output channel and keeps activations in floating point: quantizing
 activations too loses far too much on small models (docs/architecture.md, "Weight formats"). The
@@ -7,7 +7,7 @@ block formats keep activations in f32 as well: a block weight widens to the very
 path reads, so the product is the f32 path's up to summation order.
 
 A step of a few rows (decode slots, verify tokens) is a matrix-vector product whose speed is how
-fast the weights stream from memory; tandem's own kernel (engine/csrc/linear.cpp) widens each
+fast the weights stream from memory; tandem's own kernel (engine/ops/csrc/linear.cpp) widens each
 format to f32 as it reads. Beyond KERNEL_MAX_ROWS rows (prefill) the work is compute-bound and
 torch's matmul takes over (int8 and blocks through a dequantized copy of the weight, per call).
 """
@@ -20,9 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine import blocks, kernels
-from engine.blocks import BlockTensor
-from engine.options import DTYPES
+from engine.ops import blocks, kernels
+from engine.ops.blocks import BlockTensor
 
 log = logging.getLogger("tandem.quant")
 

@@ -1,18 +1,18 @@
-"""`python -m engine.generate`: stream one chat answer from a model and print PP and TG speed."""
+"""`python -m engine.cli.generate`: stream one chat answer from a model and print PP and TG speed."""
 from __future__ import annotations
 
 import argparse
 import sys
 
-from engine.engine import Engine, EngineConfig
+from engine.engine import Engine
 from engine.errors import TandemError
-from engine.quant import DTYPES
-from engine.sampling import SamplingParams
-from engine.tokenizer import IncrementalDecoder
+from engine.files.tokenizer import IncrementalDecoder
+from engine.sched.sampling import SamplingParams
+from engine.settings import DTYPES, EngineConfig
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m engine.generate", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m engine.cli.generate", description=__doc__)
     p.add_argument("--prompt", required=True, help="the user message")
     p.add_argument("-m", "--model", default="default", help="HF directory, .gguf file, or 'default' (SmolLM2-135M)")
     p.add_argument("--dtype", choices=DTYPES, default="f32", help="weight format")
@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
                        [{"role": "user", "content": args.prompt}]
             text = tok.apply_chat_template(messages)
         prompt_ids = tok.encode(text)
-        engine.check_prompt(len(prompt_ids), params.max_tokens)
+        engine.admission.check_prompt(len(prompt_ids), params.max_tokens)
     except TandemError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -7,7 +7,6 @@ asked to keep blocks, a GGUF file's Q4_0 / Q4_1 / Q8_0 matrices as the file stor
 from __future__ import annotations
 
 import functools
-
 import importlib.metadata
 import json
 import logging
@@ -18,9 +17,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from engine.blocks import GGUF_TYPES, BlockTensor
-from engine.config import ModelConfig, from_gguf_metadata, from_hf_dict
 from engine.errors import ConfigError, WeightsError
+from engine.files.model_config import ModelConfig, from_gguf_metadata, from_hf_dict
+from engine.ops.blocks import GGUF_TYPES, BlockTensor
 
 log = logging.getLogger("tandem.weights")
 

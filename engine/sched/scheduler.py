@@ -8,9 +8,9 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from engine.batch import Row
-from engine.kv_cache import KVCache, PagedKVCache
-from engine.request import Draft, Request, Status
+from engine.model.batch import Row
+from engine.model.kv_cache import KVCache, PagedKVCache
+from engine.sched.request import Request
 
 
 @dataclass
@@ -74,8 +74,8 @@ class Scheduler:
         self.waiting.append(request)
 
     def _pick_slot(self, request: Request, free: list[Slot]) -> Slot | None:
-        if request.slot_id is not None:
-            free = [s for s in free if s.id == request.slot_id]
+        if request.pinned_slot is not None:
+            free = [s for s in free if s.id == request.pinned_slot]
         if not free:
             return None
         if not request.cache_prompt:
@@ -104,17 +104,12 @@ class Scheduler:
             reuse = max(0, min(reuse, len(request.prefill_ids) - 1) - self.reuse_margin)
             self._trim(slot, reuse)
             slot.request = request
-            request.slot, request.num_computed, request.status = slot.id, reuse, Status.RUNNING
-            if request.dropped_n:
-                request.recomputed_n += max(0, request.dropped_n - reuse)
-                request.dropped_n = 0
-            else:
-                request.cache_n, request.t_started = reuse, now
+            request.admit(slot.id, reuse, now)
 
     def _room_to_resume(self, request: Request, slot: Slot) -> bool:
         """Reserve the pool for the request's length plus a full draft, evicting idle slots'
         prefixes if need be (a resumed request must not be preempted again at once)."""
-        length = min(len(request.all_ids) + self.draft_max, self.ctx_per_slot)
+        length = min(len(request.token_ids) + self.draft_max, self.ctx_per_slot)
         return self.kv.ensure(slot.id, length) or (self._evict_idle(keep=slot) and self.kv.ensure(slot.id, length))
 
     def _evict_idle(self, keep: Slot | None = None) -> bool:
@@ -136,7 +131,7 @@ class Scheduler:
             if not req.prefilling and self._reserve(plan, req, req.num_computed + 1 + len(req.draft.row)):
                 # The last sampled token, then the drafts to verify after it (a sibling's K/V is
                 # written past the chain's, and moved down if it is kept).
-                tokens = [req.all_ids[-1]] + req.draft.row
+                tokens = [req.last_token] + req.draft.row
                 plan.rows.append(PlannedRow(req, Row(req.slot, req.num_computed, tokens, req.draft.depths), True,
                                             decodes=True))
                 budget -= len(tokens)
@@ -149,7 +144,7 @@ class Scheduler:
                 tokens = pending[req.num_computed:req.num_computed + n]
                 # A fresh prompt's last token gives the first output token; a resumed request
                 # already has its next token and decodes it next step.
-                samples = req.num_computed + n == len(pending) and not req.output_ids
+                samples = req.num_computed + n == len(pending) and not req.n_output
                 plan.rows.append(PlannedRow(req, Row(req.slot, req.num_computed, tokens), samples))
                 budget -= n
         return plan
@@ -176,21 +171,20 @@ class Scheduler:
         slot = self.slots[request.slot]
         slot.request = None
         self._trim(slot, 0)
-        request.dropped_n = request.num_computed
-        request.slot, request.num_computed, request.status = None, 0, Status.WAITING
-        request.draft = Draft()
+        request.preempt()
         self.waiting.appendleft(request)
 
     def _trim(self, slot: Slot, length: int) -> None:
         """Keep the first `length` cached positions of the slot, in the bookkeeping and the cache."""
-        slot.cached_ids = slot.cached_ids[:length]
+        del slot.cached_ids[length:]
         self.kv.truncate(slot.id, length)
 
     def commit(self, request: Request, tokens: list[int]) -> None:
         """Record that `tokens` were written to the request's slot at num_computed onwards."""
         slot = self.slots[request.slot]
-        slot.cached_ids = slot.cached_ids[:request.num_computed] + tokens
-        request.num_computed += len(tokens)
+        del slot.cached_ids[request.num_computed:]
+        slot.cached_ids.extend(tokens)
+        request.commit(len(tokens))
 
     def release(self, request: Request) -> None:
         """Free the request's slot (its cache stays for prefix reuse) or drop it from the queue."""

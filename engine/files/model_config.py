@@ -9,7 +9,7 @@ import math
 from dataclasses import dataclass, field, replace
 
 from engine.errors import ConfigError
-from engine.options import CompressRatios
+from engine.settings import CompressRatios
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 ROPE_KINDS = ("default", "linear", "llama3", "yarn")

@@ -5,8 +5,8 @@ import math
 
 import torch
 
-from engine import kernels
-from engine.config import RopeConfig
+from engine.files.model_config import RopeConfig
+from engine.ops import kernels
 
 
 def inverse_frequencies(rope: RopeConfig, head_dim: int) -> tuple[torch.Tensor, float]:

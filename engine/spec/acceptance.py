@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.request import Draft
-from engine.sampling import SamplingParams, adjust_logits, distribution, sample
+from engine.sched.request import Draft
+from engine.sched.sampling import SamplingParams, adjust_logits, distribution, sample
 
 
 @dataclass

@@ -23,20 +23,17 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from engine.arena import move_to_huge_pages
-from engine.batch import ForwardBatch
-from engine.blocks import BlockTensor
-from engine.config import ModelConfig
 from engine.errors import ConfigError
-from engine.model import DecoderLayer, RMSNorm, embed_rows, run_on
-from engine.qsa import LayerSpec
-from engine.quant import Linear, compute_dtype
-from engine.rope import rope_table
+from engine.files.model_config import ModelConfig
+from engine.model.batch import ForwardBatch
+from engine.model.qsa import LayerSpec
+from engine.model.rope import rope_table
+from engine.model.transformer import DecoderLayer, RMSNorm, embed_rows, run_on
+from engine.ops.arena import move_to_huge_pages
+from engine.ops.blocks import BlockTensor
+from engine.ops.quant import Linear, compute_dtype
 
 FORMAT = "tandem-mtp/1"
-# The draft shipped with the engine package for the default model (`-md default`); how it was made:
-# configs/drafts/smollm2-135m-mtp.md.
-DEFAULT_DRAFT = Path(__file__).parent / "drafts" / "smollm2-135m-mtp.safetensors"
 
 
 def target_fingerprint(config: ModelConfig, embedding: torch.Tensor | BlockTensor) -> str:

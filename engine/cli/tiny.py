@@ -4,7 +4,7 @@ Tests and local runs use these instead of downloads. transformers completes the 
 the tensors, so a tiny model is exactly what transformers itself would save for that architecture,
 and the engine is checked against the real layout rather than against its own idea of it.
 
-    python -m engine.tiny --config configs/tiny/llama.json --out /tmp/tiny-llama [--seed N]
+    python -m engine.cli.tiny --config configs/tiny/llama.json --out /tmp/tiny-llama [--seed N]
 """
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ CHAT_TEMPLATE = (
 )
 
 # The repository's small configs (llama, qwen2, mistral, ...), that tests and bench tools build from.
-CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "tiny"
+CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "tiny"
 
 WEIGHT_STD = 0.02
 NORM_NOISE = 0.1  # norms are 1 + noise, so a norm applied to the wrong axis or skipped shows up

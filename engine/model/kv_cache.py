@@ -7,21 +7,19 @@ model.py uses:
 Either stores floats, or q8_0 (`Q8Storage`: int8 with one scale per block of 32 values).
 
 Each layer's storage follows its LayerSpec: a dense layer keeps K and V; a QSA layer also keeps
-`kpool`, one f32 pooled key per block of `ratio` positions (engine/qsa.py), which a write recomputes
+`kpool`, one f32 pooled key per block of `ratio` positions (engine/model/qsa.py), which a write recomputes
 for every block whose last position it writes. Positions are written in order from a slot's
 committed length, so that rule keeps each complete block's entry equal to the mean of its current
 keys, through prompt chunks ending mid-block and drafts rejected and rewritten.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
 import torch
 
-from engine.qsa import DENSE, LayerSpec, block_means
-
-if TYPE_CHECKING:
-    from engine.engine import EngineConfig
+from engine.model.qsa import DENSE, LayerSpec, block_means
+from engine.settings import PAGE_SIZE, EngineConfig
 
 # q8_0 is named by torch.int8 here; the cache stores it as Q8Storage, which reads back as float32.
 KV_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16, "q8_0": torch.int8}
@@ -248,26 +246,24 @@ class PagedKVCache(_Stores):
     """One pool of positions shared by all slots (--kv-unified). Storage per layer is
     [kv_heads, pool positions, head_dim]; a slot's positions live in the pages it holds."""
 
-    PAGE_SIZE = 16
-
     def __init__(self, num_layers: int, num_slots: int, capacity: int, kv_heads: int, head_dim: int,
                  dtype: torch.dtype = torch.float32, v_dtype: torch.dtype | None = None,
                  specs: Sequence[LayerSpec] | None = None, devices: Sequence[torch.device | str] | None = None):
         """specs, devices: each layer's (default: all dense, all on the CPU); a QSA layer's ratio
         divides PAGE_SIZE, so blocks never straddle pages."""
-        num_pages = capacity // self.PAGE_SIZE
-        shape = (kv_heads, num_pages * self.PAGE_SIZE, head_dim)
+        num_pages = capacity // PAGE_SIZE
+        shape = (kv_heads, num_pages * PAGE_SIZE, head_dim)
         self.specs = _specs(specs, num_layers)
-        assert all(self.PAGE_SIZE % spec.ratio == 0 for spec in self.specs if spec.is_qsa)
+        assert all(PAGE_SIZE % spec.ratio == 0 for spec in self.specs if spec.is_qsa)
         self.devices = _devices(devices, num_layers)
         self.k = [_storage(shape, dtype, device) for device in self.devices]
         self.v = [_storage(shape, v_dtype or dtype, device) for device in self.devices]
         # [kv_heads, pool positions // ratio, head_dim] f32, indexed by pool row // ratio (QSA layers).
         self.kpool = [torch.zeros(kv_heads, shape[1] // spec.ratio, head_dim, device=device) if spec.is_qsa else None
                       for spec, device in zip(self.specs, self.devices)]
-        self.pool = PagePool(num_pages, self.PAGE_SIZE, num_slots)
+        self.pool = PagePool(num_pages, PAGE_SIZE, num_slots)
         self.num_slots = num_slots
-        self.ctx_per_slot = num_pages * self.PAGE_SIZE  # any one slot may fill the whole pool
+        self.ctx_per_slot = num_pages * PAGE_SIZE  # any one slot may fill the whole pool
         self._index = [torch.empty(0, dtype=torch.long) for _ in range(num_slots)]  # position -> pool row
         self._base: list[int | None] = [None] * num_slots  # first pool row when the pages are contiguous
 
@@ -293,9 +289,9 @@ class PagedKVCache(_Stores):
 
     def _reindex(self, slot: int) -> None:
         pages = torch.tensor(self.pool.pages[slot], dtype=torch.long)
-        self._index[slot] = (pages[:, None] * self.PAGE_SIZE + torch.arange(self.PAGE_SIZE)).flatten()
+        self._index[slot] = (pages[:, None] * PAGE_SIZE + torch.arange(PAGE_SIZE)).flatten()
         contiguous = bool(len(pages)) and bool((pages == pages[0] + torch.arange(len(pages))).all())
-        self._base[slot] = int(pages[0]) * self.PAGE_SIZE if contiguous else None
+        self._base[slot] = int(pages[0]) * PAGE_SIZE if contiguous else None
 
     def write(self, layer: int, slot: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v: [kv_heads, T, head_dim] for positions start .. start+T-1 of the slot (reserved by ensure)."""
@@ -345,7 +341,7 @@ class PagedKVCache(_Stores):
         return self.k[layer].index_select(1, rows), self.v[layer].index_select(1, rows)
 
 
-def cache_for(config: "EngineConfig", kv_heads: int, head_dim: int, specs: Sequence[LayerSpec],
+def cache_for(config: EngineConfig, kv_heads: int, head_dim: int, specs: Sequence[LayerSpec],
               devices: Sequence[str]) -> KVCache:
     """The cache an engine's config asks for, one layer per spec on its device: per-slot, or one
     unified pool (kv_unified); K and V in config.kv_types."""
