@@ -17,19 +17,19 @@ from starlette.routing import Route
 
 from proxy.activity import ACTIVITY_SIZE, Activity
 from proxy.children import ChildRegistry, reap_leftovers
-from proxy.config import ProxyConfigError, ProxyConfig, load_config
+from proxy.config import ProxyConfig, ProxyConfigError, load_config
+from proxy.controller import Controller
 from proxy.events import Reload
 from proxy.forward import send_error
 from proxy.jobs import JobRequest, JobStatus, JobStore
 from proxy.logbus import BusHandler, LogBus
 from proxy.metrics import ProxyMetrics
 from proxy.passthrough import MODEL_PATHS, Completions, Upstream
-from proxy.controller import Controller
 from proxy.supervisor import Supervisor
 from proxy.upstream import UpstreamClient
 from server.http_errors import install_error_handlers
 from server.protocol import ERROR_RESPONSES, APIError, is_open, validation_problems
-from web import install_pages
+from web.pages import install_pages
 
 log = logging.getLogger("tandem.proxy")
 

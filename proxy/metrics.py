@@ -4,27 +4,10 @@ controller when the page is rendered."""
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass
+
+from server.protocol import TimingTotals
 
 PREFIX = "tandem_proxy_"
-
-
-@dataclass
-class ModelTotals:
-    prompt_tokens: int = 0
-    prompt_seconds: float = 0.0
-    predicted_tokens: int = 0
-    predicted_seconds: float = 0.0
-    draft_tokens: int = 0
-    draft_accepted: int = 0
-
-    def add(self, t: dict) -> None:
-        self.prompt_tokens += int(t.get("prompt_n") or 0)
-        self.prompt_seconds += float(t.get("prompt_ms") or 0) / 1000
-        self.predicted_tokens += int(t.get("predicted_n") or 0)
-        self.predicted_seconds += float(t.get("predicted_ms") or 0) / 1000
-        self.draft_tokens += int(t.get("draft_n") or 0)
-        self.draft_accepted += int(t.get("draft_n_accepted") or 0)
 
 
 def _label(value: str) -> str:
@@ -34,7 +17,7 @@ def _label(value: str) -> str:
 class ProxyMetrics:
     def __init__(self):
         self.requests: dict[tuple[str, int], int] = defaultdict(int)  # (model, status) -> count
-        self.totals: dict[str, ModelTotals] = defaultdict(ModelTotals)
+        self.totals: dict[str, TimingTotals] = defaultdict(TimingTotals)
 
     def on_request(self, model: str, status: int, timings: dict | None) -> None:
         self.requests[(model, status)] += 1

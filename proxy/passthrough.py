@@ -28,6 +28,17 @@ def model_of(body: bytes) -> tuple[str | None, str | None]:
     return model, None
 
 
+async def _body(receive, send) -> bytes | None:
+    """The request's body; None when the client left, or when it was too large (answered 413)."""
+    try:
+        body = await read_body(receive, BODY_LIMIT)
+    except ClientGone:
+        return None
+    if body is None:
+        await send_error(send, 413, f"request body larger than {BODY_LIMIT} bytes")
+    return body
+
+
 class Completions:
     """Raw ASGI endpoint for one path of MODEL_PATHS; the running Proxy is the app's `state.proxy`."""
 
@@ -36,12 +47,8 @@ class Completions:
 
     async def __call__(self, scope, receive, send) -> None:
         p = scope["app"].state.proxy
-        try:
-            body = await read_body(receive, BODY_LIMIT)
-        except ClientGone:
-            return
+        body = await _body(receive, send)
         if body is None:
-            await send_error(send, 413, f"request body larger than {BODY_LIMIT} bytes")
             return
         model, problem = model_of(body)
         if problem:
@@ -83,12 +90,8 @@ class Upstream:
     async def __call__(self, scope, receive, send) -> None:
         p = scope["app"].state.proxy
         model, path = scope["path_params"]["model"], "/" + scope["path_params"]["path"]
-        try:
-            body = await read_body(receive, BODY_LIMIT)
-        except ClientGone:
-            return
+        body = await _body(receive, send)
         if body is None:
-            await send_error(send, 413, f"request body larger than {BODY_LIMIT} bytes")
             return
         query = parse_qsl(scope.get("query_string", b"").decode(), keep_blank_values=True)
         wanted = next((v for k, v in query if k == "replica"), None)

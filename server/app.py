@@ -19,7 +19,7 @@ from server.openai_api import get_state, render_chat, router
 from server.protocol import (ERROR_RESPONSES, APIError, ApplyTemplateRequest, DetokenizeRequest, TokenizeRequest,
                              error_body)
 from server.state import ServerState
-from web import install_pages
+from web.pages import install_pages
 
 log = logging.getLogger("tandem.server")
 

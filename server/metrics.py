@@ -8,6 +8,8 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass, field
 
+from server.protocol import TimingTotals
+
 PREFIX = "tandem:"
 TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 ITL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5)
@@ -58,13 +60,7 @@ class EngineGauges:
 
 @dataclass
 class Metrics:
-    prompt_tokens: int = 0
-    prompt_seconds: float = 0.0
-    predicted_tokens: int = 0
-    predicted_seconds: float = 0.0
-    cached_tokens: int = 0
-    draft_tokens: int = 0
-    draft_accepted: int = 0
+    totals: TimingTotals = field(default_factory=TimingTotals)
     requests_total: int = 0
     requests_cancelled: int = 0  # of requests_total, those the client left before they finished
     ttft: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS))
@@ -74,40 +70,36 @@ class Metrics:
         """A request ended, its tokens so far counted; `cancelled`: its client left first."""
         self.requests_total += 1
         self.requests_cancelled += cancelled
-        self.prompt_tokens += timings["prompt_n"]
-        self.prompt_seconds += timings["prompt_ms"] / 1000
-        self.predicted_tokens += timings["predicted_n"]
-        self.predicted_seconds += timings["predicted_ms"] / 1000
-        self.cached_tokens += timings["cache_n"]
-        self.draft_tokens += timings.get("draft_n", 0)
-        self.draft_accepted += timings.get("draft_n_accepted", 0)
+        self.totals.add(timings)
 
     def render(self, g: EngineGauges) -> str:
+        t = self.totals
+
         def rate(n, s):
             return n / s if s > 0 else 0.0
 
         counters = [
-            ("prompt_tokens_total", self.prompt_tokens, "Number of prompt tokens processed."),
-            ("prompt_seconds_total", self.prompt_seconds, "Prompt process time."),
-            ("tokens_predicted_total", self.predicted_tokens, "Number of generation tokens processed."),
-            ("tokens_predicted_seconds_total", self.predicted_seconds, "Predict process time."),
-            ("prompt_tokens_cached_total", self.cached_tokens, "Number of prompt tokens reused from a slot."),
+            ("prompt_tokens_total", t.prompt_tokens, "Number of prompt tokens processed."),
+            ("prompt_seconds_total", t.prompt_seconds, "Prompt process time."),
+            ("tokens_predicted_total", t.predicted_tokens, "Number of generation tokens processed."),
+            ("tokens_predicted_seconds_total", t.predicted_seconds, "Predict process time."),
+            ("prompt_tokens_cached_total", t.cached_tokens, "Number of prompt tokens reused from a slot."),
             ("n_decode_total", g.steps, "Total number of engine steps (forward passes)."),
             ("preemptions_total", g.preemptions,
              "Number of times a request was paused for want of KV room, to resume later."),
             ("requests_total", self.requests_total, "Number of requests ended, cancelled ones included."),
             ("requests_cancelled_total", self.requests_cancelled,
              "Number of requests whose client left before they finished (counted in requests_total too)."),
-            ("draft_tokens_total", self.draft_tokens, "Number of tokens drafted for speculation."),
-            ("draft_tokens_accepted_total", self.draft_accepted, "Number of drafted tokens accepted."),
+            ("draft_tokens_total", t.draft_tokens, "Number of tokens drafted for speculation."),
+            ("draft_tokens_accepted_total", t.draft_accepted, "Number of drafted tokens accepted."),
             ("draft_siblings_kept_total", g.siblings_kept,
              "Number of steps that kept a sibling where the chain's draft was rejected."),
         ]
         gauges = [
             ("n_busy_slots_per_decode", rate(g.busy_slots, g.steps), "Average number of busy slots per step."),
-            ("prompt_tokens_seconds", rate(self.prompt_tokens, self.prompt_seconds),
+            ("prompt_tokens_seconds", rate(t.prompt_tokens, t.prompt_seconds),
              "Average prompt throughput in tokens/s."),
-            ("predicted_tokens_seconds", rate(self.predicted_tokens, self.predicted_seconds),
+            ("predicted_tokens_seconds", rate(t.predicted_tokens, t.predicted_seconds),
              "Average generation throughput in tokens/s."),
             ("kv_cache_usage_ratio", rate(g.kv_tokens, g.kv_capacity), "KV-cache usage. 1 means 100 percent usage."),
             ("kv_cache_tokens", g.kv_tokens, "KV-cache tokens."),

@@ -2,15 +2,18 @@
 
 Imports neither torch nor engine, so clients and the proxy can use it cheaply. Request bodies are
 validated here for types and shapes (and text that is valid Unicode); the sampling parameters'
-ranges are engine.sampling.SamplingParams' own, and what needs the model (token counts, the
+ranges are engine.sched.sampling.SamplingParams' own, and what needs the model (token counts, the
 template) is checked by the server too, all before a slot is taken.
 """
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from web import STATIC_PREFIX
 
 MAX_STOP_STRINGS = 4
 # The validators below word their own refusals; these tell /openapi.json's readers (clients,
@@ -20,7 +23,6 @@ _NON_EMPTY = {"minItems": 1}
 # /docs page loads its script and style from a CDN; /docs/oauth2-redirect serves OAuth flows only),
 # and the browser pages with their files (package web), which hold no data: their API calls send the key.
 OPEN_PATHS = ("/health", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/", "/ui")
-STATIC_PREFIX = "/static/"
 ROLES = ("system", "user", "assistant", "tool", "developer")
 
 
@@ -409,7 +411,7 @@ class Timings(BaseModel):
 
     @classmethod
     def of(cls, t) -> "Timings":
-        """From an engine.request.RequestTimes (duck-typed: this module imports no engine code)."""
+        """From an engine.sched.request.RequestTimes (duck-typed: this module imports no engine code)."""
         def per_token(ms: float, n: int) -> float:
             return ms / n if n else 0.0
 
@@ -425,6 +427,29 @@ class Timings(BaseModel):
                    predicted_per_second=per_second(t.predicted_ms, t.predicted_n),
                    draft_n=t.draft_n if drafted else None, draft_n_accepted=t.draft_n_accepted if drafted else None,
                    recomputed_n=t.recomputed_n or None, probe_recomputed=t.probe_recomputed or None)
+
+
+@dataclass
+class TimingTotals:
+    """Sums of `timings` objects as both /metrics pages count them (the server its own requests',
+    the proxy each model's as they pass through)."""
+    prompt_tokens: int = 0
+    prompt_seconds: float = 0.0
+    predicted_tokens: int = 0
+    predicted_seconds: float = 0.0
+    cached_tokens: int = 0
+    draft_tokens: int = 0
+    draft_accepted: int = 0
+
+    def add(self, t: dict) -> None:
+        """Raises TypeError or ValueError where a field is not a number; a field left out counts 0."""
+        self.prompt_tokens += int(t.get("prompt_n") or 0)
+        self.prompt_seconds += float(t.get("prompt_ms") or 0) / 1000
+        self.predicted_tokens += int(t.get("predicted_n") or 0)
+        self.predicted_seconds += float(t.get("predicted_ms") or 0) / 1000
+        self.cached_tokens += int(t.get("cache_n") or 0)
+        self.draft_tokens += int(t.get("draft_n") or 0)
+        self.draft_accepted += int(t.get("draft_n_accepted") or 0)
 
 
 # Why a response ended. "stop": end of text or a stop string or token; "length": max_tokens or the
