@@ -27,7 +27,7 @@ from engine.sched.sampling import SamplingParams, choose, logprob_entry, make_ge
 from engine.sched.scheduler import PlannedRow
 from engine.settings import DraftLimits, EngineConfig
 from engine.spec.acceptance import verify
-from engine.spec.drafter import Span
+from engine.spec.drafter import Drafter, Span
 from engine.spec.runner import DraftRunner
 from engine.stats import EngineStats, SlotInfo, slot_infos
 
@@ -65,7 +65,7 @@ class Engine:
         return cls(config, headers, rank, describe_loss)
 
     @property
-    def drafter(self):
+    def drafter(self) -> Drafter | None:
         """The drafter when speculation is on, else None."""
         return self.drafting.drafter if self.drafting is not None else None
 

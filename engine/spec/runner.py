@@ -30,10 +30,6 @@ class DraftRunner:
         # Per request, the committed span its drafter has not caught up on yet, and the slot it lies in.
         self._owed: dict[Request, tuple[int, Span]] = {}
 
-    @property
-    def needs_hidden(self) -> bool:
-        return self.drafter.needs_hidden
-
     def forget(self, request: Request) -> None:
         """The request ends outside a step (cancelled, failed): whatever it owes is dropped, which
         leaves a gap in the draft's cache under its slot's kept prefix (acceptance, never
