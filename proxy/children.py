@@ -14,6 +14,7 @@ import os
 import signal
 import sqlite3
 import sys
+import time
 from dataclasses import dataclass
 
 log = logging.getLogger("tandem.proxy")
@@ -57,6 +58,22 @@ def cmdline(pid: int) -> list[str] | None:
         return None
 
 
+# How long a new child's command line may stay unreadable after spawn returns.
+EXEC_SETTLE_S = 1.0
+
+
+def settled_cmdline(pid: int) -> list[str] | None:
+    """The command line of a child just spawned. spawn returns once the exec has begun (the
+    close-on-exec pipe closed), but the kernel fills in the new argv a moment later: read in
+    between, it is empty, and a record of that would never match the running child again."""
+    deadline = time.monotonic() + EXEC_SETTLE_S
+    argv = cmdline(pid)
+    while argv == [] and time.monotonic() < deadline:
+        time.sleep(0.002)
+        argv = cmdline(pid)
+    return argv
+
+
 @dataclass(frozen=True)
 class ChildRecord:
     pid: int
@@ -79,7 +96,7 @@ class ChildRegistry:
         db.commit()
 
     def add(self, pid: int, model: str, port: int) -> None:
-        ticks, argv = start_ticks(pid), cmdline(pid)
+        ticks, argv = start_ticks(pid), settled_cmdline(pid)
         if ticks is None or argv is None:
             return  # already gone: nothing could be left over
         with self.db:
