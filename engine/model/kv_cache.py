@@ -14,7 +14,7 @@ keys, through prompt chunks ending mid-block and drafts rejected and rewritten.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import torch
 
@@ -69,6 +69,18 @@ class Q8Storage:
 
     def index_select(self, dim: int, rows: torch.Tensor) -> torch.Tensor:
         return self._dequantize(self.q.index_select(dim, rows), self.scale.index_select(dim, rows))
+
+
+class KernelView(NamedTuple):
+    """A layer's storage as tandem's attention kernels read it in place (engine/ops/kernels.py)."""
+    k: torch.Tensor  # [S, kv_heads, ctx, head_dim], or a unified pool's [1, kv_heads, pool positions, head_dim]
+    v: torch.Tensor
+    kpool: torch.Tensor | None  # a QSA layer's pooled keys, [S or 1, kv_heads, positions // ratio, head_dim] f32
+    pages: torch.Tensor | None  # a unified pool's page table, [slots, pages] int64 (None: slot-major)
+
+
+def _float_stores(k, v, dtype: torch.dtype) -> bool:
+    return isinstance(k, torch.Tensor) and k.dtype == dtype and v.dtype == dtype
 
 
 def _copy(store, dst, src) -> None:
@@ -185,11 +197,11 @@ class KVCache(_Stores):
         """[kv_heads, blocks, head_dim] f32: the slot's first pooled keys (a QSA layer's)."""
         return self.kpool[layer][slot, :, :blocks]
 
-    def slot_major(self, layer: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The layer's K and V storage, each [slots, kv_heads, ctx, head_dim], when both hold floats
-        of `dtype` (a batched decode kernel then reads them in place); None when they do not."""
+    def kernel_view(self, layer: int, dtype: torch.dtype) -> KernelView | None:
+        """The layer's storage when K and V hold floats of `dtype` (the kernels then read it in
+        place); None when they do not (q8_0, another dtype)."""
         k, v = self.k[layer], self.v[layer]
-        return (k, v) if isinstance(k, torch.Tensor) and k.dtype == dtype and v.dtype == dtype else None
+        return KernelView(k, v, self.kpool[layer], None) if _float_stores(k, v, dtype) else None
 
     def write_tokens(self, layer: int, slots: torch.Tensor, positions: torch.Tensor, k: torch.Tensor,
                      v: torch.Tensor) -> None:
@@ -266,6 +278,8 @@ class PagedKVCache(_Stores):
         self.ctx_per_slot = num_pages * PAGE_SIZE  # any one slot may fill the whole pool
         self._index = [torch.empty(0, dtype=torch.long) for _ in range(num_slots)]  # position -> pool row
         self._base: list[int | None] = [None] * num_slots  # first pool row when the pages are contiguous
+        # The kernels' page table: row s's first len(pool.pages[s]) entries are slot s's pages.
+        self.page_table = torch.zeros(num_slots, num_pages, dtype=torch.long)
 
     @property
     def capacity(self) -> int:
@@ -289,6 +303,7 @@ class PagedKVCache(_Stores):
 
     def _reindex(self, slot: int) -> None:
         pages = torch.tensor(self.pool.pages[slot], dtype=torch.long)
+        self.page_table[slot, :len(pages)] = pages
         self._index[slot] = (pages[:, None] * PAGE_SIZE + torch.arange(PAGE_SIZE)).flatten()
         contiguous = bool(len(pages)) and bool((pages == pages[0] + torch.arange(len(pages))).all())
         self._base[slot] = int(pages[0]) * PAGE_SIZE if contiguous else None
@@ -328,9 +343,24 @@ class PagedKVCache(_Stores):
             return self.kpool[layer][:, base // r:base // r + blocks]
         return self.kpool[layer].index_select(1, self._pool_rows(layer, slot, 0, blocks))
 
-    def slot_major(self, layer: int, dtype: torch.dtype) -> None:
-        """Pages are not slot-major: decode rows attend one by one, through `read`."""
-        return None
+    def kernel_view(self, layer: int, dtype: torch.dtype) -> KernelView | None:
+        """The pool as one slot of the kernels' layout, read through the page table, when K and V
+        hold floats of `dtype`; None when they do not."""
+        k, v, kpool = self.k[layer], self.v[layer], self.kpool[layer]
+        if not _float_stores(k, v, dtype):
+            return None
+        return KernelView(k[None], v[None], None if kpool is None else kpool[None], self.page_table)
+
+    def write_tokens(self, layer: int, slots: torch.Tensor, positions: torch.Tensor, k: torch.Tensor,
+                     v: torch.Tensor) -> None:
+        """One token per row: k, v [R, kv_heads, head_dim] at positions[r] of slots[r] (reserved)."""
+        rows = self.page_table[slots, positions // PAGE_SIZE] * PAGE_SIZE + positions % PAGE_SIZE
+        self.k[layer][:, rows] = k.transpose(0, 1)
+        self.v[layer][:, rows] = v.transpose(0, 1)
+        if self.kpool[layer] is not None:
+            r = self.specs[layer].ratio
+            for row in rows[(positions + 1) % r == 0].tolist():  # rows that complete a block of their page
+                self.kpool[layer][:, row // r] = block_means(self.k[layer][:, row + 1 - r:row + 1], r)[:, 0]
 
     def read(self, layer: int, slot: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """[kv_heads, length, head_dim]: a view when the slot's pages are contiguous, else a gather."""

@@ -103,25 +103,30 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
-                     lengths: torch.Tensor, scale: float, last: torch.Tensor | None = None) -> torch.Tensor:
+                     lengths: torch.Tensor, scale: float, last: torch.Tensor | None = None,
+                     pages: torch.Tensor | None = None) -> torch.Tensor:
     """One query per row and head, q [R, H, D], against the first lengths[r] positions of slot
     slots[r] of a cache layer k, v [S, KVH, C, D] -> [R, H, D]. last: where each row's own key
     lies when not at lengths[r]-1 (a tree node's scratch position); the row then attends to
-    positions 0 .. lengths[r]-2 and last[r], as it would if it stood at lengths[r]-1."""
-    return _ops().decode_attention(q, k, v, slots, lengths, scale, last)
+    positions 0 .. lengths[r]-2 and last[r], as it would if it stood at lengths[r]-1.
+    pages: a unified pool's page table [slots, pages] int64, k and v then [1, KVH, P, D] with
+    slot s's position l at row pages[s][l // page] * page + l % page (page = P // pages)."""
+    return _ops().decode_attention(q, k, v, slots, lengths, scale, last, pages)
 
 
 def decoder_layers(x: torch.Tensor, weights: list[torch.Tensor | None], k_cache: list[torch.Tensor],
                    v_cache: list[torch.Tensor], kpools: list[torch.Tensor | None], ratios: list[int],
                    budgets: list[int], slots: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
                    sin: torch.Tensor, heads: int, kv_heads: int, eps: float,
-                   rope_positions: torch.Tensor | None = None) -> torch.Tensor:
+                   rope_positions: torch.Tensor | None = None, pages: torch.Tensor | None = None) -> torch.Tensor:
     """Decoder layers over x [N, hidden], each token a row at positions[n] of slot slots[n]: it
     writes its K/V there and attends causally to its slot. weights: each layer's kernel_weights,
     concatenated; k_cache, v_cache: each layer's [S, KVH, C, D]; cos, sin [N, D]. Per layer, its
     LayerSpec's ratio and budget (0 and 0 for a dense layer) and, for a QSA layer, its pooled keys
     [S, KVH, C // ratio, D] f32 (None for a dense one), which the rows' completed blocks update.
     rope_positions: a tree's verify rows (dense layers only): token n, written at positions[n],
-    attends to 0 .. rope_positions[n]-1 and then itself (engine/model/batch.py tree_mask)."""
+    attends to 0 .. rope_positions[n]-1 and then itself (engine/model/batch.py tree_mask).
+    pages: a unified pool's page table, as decode_attention takes it, each layer's cache then one
+    pool [1, KVH, P, D] (and its pooled keys [1, KVH, P // ratio, D])."""
     return _ops().decoder_layers(x, weights, k_cache, v_cache, kpools, ratios, budgets, slots, positions, cos, sin,
-                                 heads, kv_heads, eps, rope_positions)
+                                 heads, kv_heads, eps, rope_positions, pages)

@@ -11,7 +11,7 @@ from engine.cli.tiny import write_tiny_model
 from engine.files.weights import open_model
 from engine.model import rope, transformer
 from engine.model.batch import ForwardBatch, Row
-from engine.model.kv_cache import KVCache
+from engine.model.kv_cache import KVCache, PagedKVCache
 from engine.model.transformer import Transformer
 from engine.ops import blocks, kernels, quant
 from engine.ops.arena import move_to_huge_pages
@@ -153,6 +153,30 @@ def test_a_tree_node_attends_with_the_bits_of_the_chain_node_it_stands_for(dtype
     assert torch.equal(tree, chain)
 
 
+@pytest.mark.parametrize("dtype, d", [(torch.float32, 64), (torch.bfloat16, 64), (torch.float32, 48)])
+def test_a_pool_read_through_its_page_table_attends_as_the_slot_major_cache_it_stands_for(dtype, d):
+    # Slot 1 holds pages 5, 0, 3 of a pool of 8 pages of 16: its positions 0-15, 16-31 and 32-47.
+    # Read through the table it attends with the same bits as the slot-major copy of its keys,
+    # decode rows, verify rows and a tree node (`last`) alike.
+    torch.manual_seed(6)
+    page, pages = 16, torch.tensor([[1, 2, 4, 0, 0, 0, 0, 0], [5, 0, 3, 0, 0, 0, 0, 0]])  # a row per slot, a column per page
+    pool_k, pool_v = torch.randn(1, 3, 8 * page, d).to(dtype), torch.randn(1, 3, 8 * page, d).to(dtype)
+    rows = (pages[:, :3, None] * page + torch.arange(page)).flatten(1)  # [slot, position] -> pool row
+    slot_k, slot_v = pool_k[0][:, rows].transpose(0, 1), pool_v[0][:, rows].transpose(0, 1)  # [2, 3, 48, d]
+    q = torch.randn(5, 9, d).to(dtype)
+    slots, lengths, last = torch.tensor([1, 1, 1, 0, 1]), torch.tensor([1, 17, 40, 33, 30]), torch.tensor([0, 16, 39, 32, 45])
+    paged = kernels.decode_attention(q, pool_k, pool_v, slots, lengths, 0.125, last, pages)
+    assert torch.equal(paged, kernels.decode_attention(q, slot_k.contiguous(), slot_v.contiguous(), slots, lengths,
+                                                       0.125, last))
+
+
+def test_decode_attention_names_a_page_outside_the_pool():
+    pool = torch.zeros(1, 1, 64, 4)  # 4 pages of 16
+    with pytest.raises(RuntimeError, match="slot 0's page 1 is 9, outside a pool of 4 pages"):
+        kernels.decode_attention(torch.zeros(1, 1, 4), pool, pool, torch.tensor([0]), torch.tensor([20]), 0.5,
+                                 pages=torch.tensor([[2, 9, 0, 0]]))
+
+
 def test_decode_attention_refuses_a_row_outside_the_cache():
     cache = torch.zeros(2, 1, 8, 4)
     with pytest.raises(RuntimeError, match="row 0 reads slot 2 length 3"):
@@ -192,21 +216,31 @@ def test_model_gives_the_same_logits_without_the_kernels(tmp_path, monkeypatch, 
     torch.testing.assert_close(with_kernels, logits(), rtol=0, atol=1e-4)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "hd160"])
-@pytest.mark.parametrize("dtype", ["f32", "bf16", "int8", "q4_0", "q4_1", "q8_0"])
-def test_whole_layer_kernel_equals_the_layer_by_layer_path(tmp_path, monkeypatch, family, dtype):
+LAYER_CASES = [(family, dtype, False) for family in ["llama", "qwen2", "qwen3", "hd160"]
+               for dtype in ["f32", "bf16", "int8", "q4_0", "q4_1", "q8_0"]]
+# The unified pool (the main command's cache) with slots' pages interleaved.
+LAYER_CASES += [("llama", "f32", True), ("qwen3", "q4_1", True), ("hd160", "int8", True), ("qwen2", "bf16", True)]
+
+
+@pytest.mark.parametrize("family, dtype, paged", LAYER_CASES)
+def test_whole_layer_kernel_equals_the_layer_by_layer_path(tmp_path, monkeypatch, family, dtype, paged):
     # A step of three slots: a 3-token verify block, a plain decode token, a 2-token prompt chunk,
     # after prompts of different lengths. Each of its tokens attends causally within its own slot.
     path = write_tiny_model(tiny_config(family), tmp_path / "m", seed=5)
     files = open_model(str(path))
     c = files.config
-    prompts = [list(range(3, 14)), list(range(20, 25)), list(range(30, 38))]
-    step = [Row(0, 11, [40, 41, 42]), Row(1, 5, [43]), Row(2, 8, [44, 45])]
+    prompts = [list(range(3, 30)), list(range(20, 25)), list(range(30, 38))]
+    step = [Row(0, 27, [40, 41, 42]), Row(1, 5, [43]), Row(2, 8, [44, 45])]
 
     @torch.inference_mode()
     def run(dtype: str) -> tuple[torch.Tensor, KVCache]:
         model = Transformer(c, files.load_tensors(), dtype, max_positions=64)
-        cache = KVCache(c.num_layers, 3, 64, c.num_kv_heads, c.head_dim, dtype=quant.compute_dtype(dtype))
+        layout = PagedKVCache if paged else KVCache
+        cache = layout(c.num_layers, 3, 3 * 64 if paged else 64, c.num_kv_heads, c.head_dim,
+                       dtype=quant.compute_dtype(dtype))
+        for length in (16, 64):  # slot 0's second page comes after the others' first
+            for slot, prompt in enumerate(prompts):
+                assert cache.ensure(slot, min(length, len(prompt) + 3))
         for slot, prompt in enumerate(prompts):
             model(ForwardBatch.build([Row(slot, 0, prompt)]), cache)
         return model.logits(model(ForwardBatch.build(step), cache)), cache
@@ -216,6 +250,7 @@ def test_whole_layer_kernel_equals_the_layer_by_layer_path(tmp_path, monkeypatch
     monkeypatch.setattr(kernels, "decoder_layers", lambda x, *a: calls.append(len(x)) or fused(x, *a))
     with_kernel, cache = run(dtype)
     assert 6 in calls  # the step itself went through the whole-layer kernel
+    assert not paged or cache.pool.pages[0] == [0, 3]
     reference = run("f32")[0] if dtype == "bf16" else None
     monkeypatch.setattr(transformer, "fused_layers", lambda *a: None)
     layer_by_layer, reference_cache = run(dtype)
@@ -229,10 +264,8 @@ def test_whole_layer_kernel_equals_the_layer_by_layer_path(tmp_path, monkeypatch
     for layer in range(c.num_layers):  # and it wrote the same keys and values where the step wrote
         for slot, row in enumerate(step):
             end = row.start + len(row.tokens)
-            torch.testing.assert_close(cache.k[layer][slot, :, :end], reference_cache.k[layer][slot, :, :end],
-                                       rtol=0, atol=1e-4)
-            torch.testing.assert_close(cache.v[layer][slot, :, :end], reference_cache.v[layer][slot, :, :end],
-                                       rtol=0, atol=1e-4)
+            for written, reference in zip(cache.read(layer, slot, end), reference_cache.read(layer, slot, end)):
+                torch.testing.assert_close(written, reference, rtol=0, atol=1e-4)
 
 
 def tiny_llama(tmp_path, ctx: int) -> tuple[Transformer, KVCache]:

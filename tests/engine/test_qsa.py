@@ -220,16 +220,16 @@ def with_calls_counted(monkeypatch) -> list[int]:
     return calls
 
 
-@pytest.mark.parametrize("ratio", [2, 4])
-def test_whole_layer_kernel_equals_the_module_path_with_qsa_layers(llama8, monkeypatch, ratio):
+@pytest.mark.parametrize("ratio, paged", [(2, False), (4, False), (4, True)])
+def test_whole_layer_kernel_equals_the_module_path_with_qsa_layers(llama8, monkeypatch, ratio, paged):
     """Two slots: slot 0 past the budget from its first chunk, slot 1 crossing it while decoding;
     prompt chunks, decodes, verify rows whose later tokens see blocks their earlier ones complete,
-    and drafts rejected and rewritten."""
+    and drafts rejected and rewritten. Paged: the two slots' pages interleave in one pool."""
     config, tensors = llama8
     fused, layered = (model_with(config, tensors, f"every2:{ratio}", 8) for _ in range(2))
     # A hook keeps the reference module by module (fused_layers leaves hooked layers alone).
     layered.layers[0].register_forward_pre_hook(lambda module, args: None)
-    fused_cache, layered_cache = cache_for(fused, slots=2), cache_for(layered, slots=2)
+    fused_cache, layered_cache = cache_for(fused, slots=2, paged=paged), cache_for(layered, slots=2, paged=paged)
     g = torch.Generator().manual_seed(5)
     a, b = (torch.randint(0, config.vocab_size, (80,), generator=g).tolist() for _ in range(2))
     steps = [[Row(0, 0, a[:19]), Row(1, 0, b[:5])], [Row(0, 19, a[19:30])]]
@@ -239,9 +239,13 @@ def test_whole_layer_kernel_equals_the_module_path_with_qsa_layers(llama8, monke
               [Row(0, 57, [a[63]]), Row(1, 30, [b[32]])], [Row(1, 31, [b[33]])]]
     calls = with_calls_counted(monkeypatch)
     for rows in steps:
+        for cache in (fused_cache, layered_cache):
+            assert all(cache.ensure(row.slot, row.start + len(row.tokens)) for row in rows)
         torch.testing.assert_close(run(fused, fused_cache, rows), run(layered, layered_cache, rows),
                                    atol=1e-5, rtol=1e-5)
     assert calls == ([sum(len(row.tokens) for row in rows) for rows in steps] if kernel_available() else [])
+    if paged:
+        assert fused_cache.pool.pages == [[0, 1, 3, 5], [2, 4]]  # interleaved: read through the table
     qsa_layers = [layer.index for layer in fused.layers if layer.self_attn.spec.is_qsa]
     assert qsa_layers == [1, 3, 5, 7]
     for layer in qsa_layers:

@@ -5,8 +5,9 @@
 // scaled_dot_product_attention spends most of its time setting up for a tiled prefill, once per
 // row. Grouped heads read their kv head directly (head h uses kv head h / group), no repeated K/V.
 //
-// q [R, H, D]; k, v: the layer's cache [S, KVH, C, D]; row r reads slot slots[r], positions
-// 0 .. lengths[r]-2 and then its own, last[r] (lengths[r]-1 unless given). A tree's verify row
+// q [R, H, D]; k, v: the layer's cache [S, KVH, C, D], or a unified pool [1, KVH, P, D] read
+// through a page table (tandem::Layout); row r reads slot slots[r], positions 0 .. lengths[r]-2
+// and then its own, last[r] (lengths[r]-1 unless given). A tree's verify row
 // stands at a scratch position past its siblings' yet attends as the chain node it would be:
 // its ancestors' prefix, then itself. Scores and the softmax in f32.
 #include <ATen/ATen.h>
@@ -36,9 +37,11 @@ inline void prefetch_row(const T* p, int64_t D) {
   for (int64_t b = 0; b < D * static_cast<int64_t>(sizeof(T)); b += 64) __builtin_prefetch(c + b);
 }
 
+using tandem::Layout;
+
 template <typename T>
 void attend(const T* q, const T* k, const T* v, T* out, const int64_t* slots, const int64_t* lengths,
-            const int64_t* last, int64_t R, int64_t H, int64_t KVH, int64_t D, int64_t slot_stride,
+            const int64_t* last, int64_t R, int64_t H, int64_t KVH, int64_t D, const Layout& at,
             int64_t kv_head_stride, float scale) {
   const int64_t group = H / KVH, max_len = *std::max_element(lengths, lengths + R);
   // One work item per (row, kv head): its `group` query heads, scores [group, L], outputs [group, D].
@@ -46,15 +49,16 @@ void attend(const T* q, const T* k, const T* v, T* out, const int64_t* slots, co
   at::parallel_for(0, R * KVH, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(group * D), acc(group * D), scores(group * max_len);
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t r = item / KVH, g = item % KVH, L = lengths[r];
-      const T* kh = k + slots[r] * slot_stride + g * kv_head_stride;
-      const T* vh = v + slots[r] * slot_stride + g * kv_head_stride;
+      const int64_t r = item / KVH, g = item % KVH, L = lengths[r], s = slots[r];
+      const T* kh = k + at.slot_offset(s) + g * kv_head_stride;
+      const T* vh = v + at.slot_offset(s) + g * kv_head_stride;
       const T* qg = q + (r * H + g * group) * D;
       const int64_t own = last[r];
+      const auto row = [&](int64_t l) { return at.row(s, l == L - 1 ? own : l) * D; };
       for (int64_t i = 0; i < group * D; ++i) qf[i] = static_cast<float>(qg[i]) * scale;
       for (int64_t l = 0; l < L; ++l) {  // each key is read once for the whole group
-        const T* kl = kh + (l == L - 1 ? own : l) * D;
-        prefetch_row(kl + PREFETCH_ROWS * D, D);
+        const T* kl = kh + row(l);
+        if (l + PREFETCH_ROWS < L) prefetch_row(kh + row(l + PREFETCH_ROWS), D);
         for (int64_t j = 0; j < group; ++j) {
           const float* qj = qf.data() + j * D;
           float dot = 0.f;
@@ -72,8 +76,8 @@ void attend(const T* q, const T* k, const T* v, T* out, const int64_t* slots, co
       }
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t l = 0; l < L; ++l) {  // and each value once
-        const T* vl = vh + (l == L - 1 ? own : l) * D;
-        prefetch_row(vl + PREFETCH_ROWS * D, D);
+        const T* vl = vh + row(l);
+        if (l + PREFETCH_ROWS < L) prefetch_row(vh + row(l + PREFETCH_ROWS), D);
         for (int64_t j = 0; j < group; ++j) {
           float* aj = acc.data() + j * D;
           const float p = scores[j * L + l];
@@ -146,21 +150,26 @@ inline __m512 partial_dot(const __m512 (&q)[NC], const float* key) {
   return d;
 }
 
-// One query head (q: NC vectors of 16, already scaled) against keys 0 .. L-2 and the key at `own`
-// (the row's own position, L-1 but for a tree node) -> scores[0 .. L-1].
+// One query head (q: NC vectors of 16, already scaled) against slot s's keys 0 .. L-2 and the key
+// at `own` (the row's own position, L-1 but for a tree node) -> scores[0 .. L-1]. Keys go 16 at a
+// time, each 16 one run of rows in either layout.
 template <int NC>
-inline void head_scores(const __m512 (&q)[NC], const float* k, int64_t L, int64_t own, float* scores) {
+inline void head_scores(const __m512 (&q)[NC], const float* k, const Layout& at, int64_t s, int64_t L, int64_t own,
+                        float* scores) {
   constexpr int64_t D = 16 * NC;
+  static_assert(PREFETCH_ROWS == 16, "the next run of 16 keys is prefetched");
   int64_t l = 0;
   for (; l + 16 <= L; l += 16) {
+    const float* run = k + at.row(s, l) * D;
+    const float* next = l + 16 < L ? k + at.row(s, l + 16) * D : nullptr;
     __m512 dots[16];
     for (int j = 0; j < 16; ++j) {
-      prefetch_row(k + (l + j + PREFETCH_ROWS) * D, D);
-      dots[j] = partial_dot(q, k + (l + j == L - 1 ? own : l + j) * D);
+      if (next) prefetch_row(next + j * D, D);
+      dots[j] = partial_dot(q, l + j == L - 1 ? k + at.row(s, own) * D : run + j * D);
     }
     _mm512_storeu_ps(scores + l, sums16(dots));
   }
-  for (; l < L; ++l) scores[l] = _mm512_reduce_add_ps(partial_dot(q, k + (l == L - 1 ? own : l) * D));
+  for (; l < L; ++l) scores[l] = _mm512_reduce_add_ps(partial_dot(q, k + at.row(s, l == L - 1 ? own : l) * D));
 }
 
 // attend() for f32 caches and head_dim = 16 * NC, a query head at a time: its query and its output
@@ -171,7 +180,7 @@ inline void head_scores(const __m512 (&q)[NC], const float* k, int64_t L, int64_
 // it stands for.
 template <int NC>
 void attend_f32(const float* q, const float* k, const float* v, float* out, const int64_t* slots,
-                const int64_t* lengths, const int64_t* last, int64_t R, int64_t H, int64_t KVH, int64_t slot_stride,
+                const int64_t* lengths, const int64_t* last, int64_t R, int64_t H, int64_t KVH, const Layout& at,
                 int64_t kv_head_stride, float scale) {
   constexpr int64_t D = 16 * NC;
   const int64_t group = H / KVH, max_len = *std::max_element(lengths, lengths + R);
@@ -179,22 +188,26 @@ void attend_f32(const float* q, const float* k, const float* v, float* out, cons
   at::parallel_for(0, R * H, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(max_len);
     for (int64_t h = begin; h < end; ++h) {  // h: row r's query head h % H, of kv head (h % H) / group
-      const int64_t r = h / H, g = h % H / group, L = lengths[r], own = last[r];
-      const float* kh = k + slots[r] * slot_stride + g * kv_head_stride;
-      const float* vh = v + slots[r] * slot_stride + g * kv_head_stride;
+      const int64_t r = h / H, g = h % H / group, L = lengths[r], own = last[r], s = slots[r];
+      const float* kh = k + at.slot_offset(s) + g * kv_head_stride;
+      const float* vh = v + at.slot_offset(s) + g * kv_head_stride;
       __m512 qv[NC], acc[NC];
       for (int c = 0; c < NC; ++c) {
         qv[c] = _mm512_mul_ps(_mm512_loadu_ps(q + h * D + 16 * c), _mm512_set1_ps(scale));
         acc[c] = _mm512_setzero_ps();
       }
       float* sh = scores.data();
-      head_scores<NC>(qv, kh, L, own, sh);
+      head_scores<NC>(qv, kh, at, s, L, own, sh);
       softmax(sh, L);
-      for (int64_t l = 0; l < L; ++l) {
-        const float* vl = vh + (l == L - 1 ? own : l) * D;
-        prefetch_row(vl + PREFETCH_ROWS * D, D);
-        const __m512 pl = _mm512_set1_ps(sh[l]);
-        for (int c = 0; c < NC; ++c) acc[c] = _mm512_fmadd_ps(pl, _mm512_loadu_ps(vl + 16 * c), acc[c]);
+      for (int64_t l = 0; l < L; l += 16) {  // values a run of 16 at a time, as the keys
+        const float* run = vh + at.row(s, l) * D;
+        const float* next = l + 16 < L ? vh + at.row(s, l + 16) * D : nullptr;
+        for (int64_t j = 0; j < 16 && l + j < L; ++j) {
+          const float* vl = l + j == L - 1 ? vh + at.row(s, own) * D : run + j * D;
+          if (next) prefetch_row(next + j * D, D);
+          const __m512 pl = _mm512_set1_ps(sh[l + j]);
+          for (int c = 0; c < NC; ++c) acc[c] = _mm512_fmadd_ps(pl, _mm512_loadu_ps(vl + 16 * c), acc[c]);
+        }
       }
       for (int c = 0; c < NC; ++c) _mm512_storeu_ps(out + h * D + 16 * c, acc[c]);
     }
@@ -223,15 +236,52 @@ bool with_chunks(int64_t D, F&& f) {
 
 namespace tandem {
 
+Layout Layout::of(const at::Tensor& k, const c10::optional<at::Tensor>& pages) {
+  Layout at;
+  at.slot_stride = k.stride(0);
+  if (pages.has_value()) {
+    at.pages = pages->data_ptr<int64_t>();
+    at.pages_per_slot = pages->size(1);
+    const int64_t page = k.size(2) / pages->size(1);
+    while ((int64_t{1} << at.shift) < page) ++at.shift;
+  }
+  return at;
+}
+
+int64_t check_pages(const at::Tensor& k, const c10::optional<at::Tensor>& pages, const char* op) {
+  if (!pages.has_value()) return k.size(0);
+  const at::Tensor& t = *pages;
+  TORCH_CHECK(k.size(0) == 1, op, ": a paged cache is one pool [1, KVH, P, D], got ", k.sizes());
+  TORCH_CHECK(t.dim() == 2 && t.scalar_type() == at::kLong && t.is_contiguous() && t.size(1) > 0 &&
+                  k.size(2) % t.size(1) == 0,
+              op, ": a page table is contiguous int64 [slots, pages] with pages dividing the pool's ", k.size(2),
+              " positions, got ", t.sizes(), " ", t.scalar_type());
+  const int64_t page = k.size(2) / t.size(1);
+  TORCH_CHECK(page >= 16 && (page & (page - 1)) == 0, op, ": a page of ", page,
+              " positions: pages hold a power of two of at least 16");
+  return t.size(0);
+}
+
+void check_rows(const c10::optional<at::Tensor>& pages, int64_t s, int64_t length, int64_t pool, const char* op) {
+  if (!pages.has_value() || length <= 0) return;
+  const int64_t per = pages->size(1), page = pool / per;
+  const int64_t* row = pages->data_ptr<int64_t>() + s * per;
+  for (int64_t i = 0; i <= (length - 1) / page; ++i)
+    TORCH_CHECK(row[i] >= 0 && row[i] < per, op, ": slot ", s, "'s page ", i, " is ", row[i], ", outside a pool of ",
+                per, " pages");
+}
+
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& slots,
-                            const at::Tensor& lengths, double scale, const c10::optional<at::Tensor>& last) {
+                            const at::Tensor& lengths, double scale, const c10::optional<at::Tensor>& last,
+                            const c10::optional<at::Tensor>& pages) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 4 && v.sizes() == k.sizes() && q.size(2) == k.size(3),
               "decode_attention: q [R, H, D], k and v [S, KVH, C, D] expected, got ", q.sizes(), ", ", k.sizes(),
               ", ", v.sizes());
   TORCH_CHECK(k.is_contiguous() && v.is_contiguous(), "decode_attention: k and v must be whole, contiguous caches");
   TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(),
               "decode_attention: q, k and v in one dtype");
-  const int64_t R = q.size(0), H = q.size(1), D = q.size(2), S = k.size(0), KVH = k.size(1), C = k.size(2);
+  const int64_t R = q.size(0), H = q.size(1), D = q.size(2), KVH = k.size(1), C = k.size(2);
+  const int64_t S = check_pages(k, pages, "decode_attention");
   TORCH_CHECK(H % KVH == 0, "decode_attention: kv heads (", KVH, ") must divide heads (", H, ")");
   TORCH_CHECK(slots.numel() == R && lengths.numel() == R, "decode_attention: one slot and one length per row");
   const at::Tensor s = slots.to(at::kLong).contiguous(), n = lengths.to(at::kLong).contiguous();
@@ -244,6 +294,8 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
     TORCH_CHECK(sp[r] >= 0 && sp[r] < S && np[r] >= 1 && np[r] <= C && op[r] >= np[r] - 1 && op[r] < C,
                 "decode_attention: row ", r, " reads slot ", sp[r], " length ", np[r], " last position ", op[r],
                 " outside a cache of ", S, " slots x ", C, " (or its last position before its length)");
+  for (int64_t r = 0; r < R; ++r) check_rows(pages, sp[r], op[r] + 1, C, "decode_attention");
+  const Layout at = Layout::of(k, pages);
   const at::Tensor qc = q.contiguous();
   at::Tensor out = at::empty_like(qc);
   if (R == 0) return out;
@@ -251,14 +303,14 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   if (q.scalar_type() == at::kFloat &&
       with_chunks(D, [&](auto nc) {
         attend_f32<decltype(nc)::value>(qc.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(),
-                                        out.data_ptr<float>(), sp, np, op, R, H, KVH, k.stride(0), k.stride(1),
+                                        out.data_ptr<float>(), sp, np, op, R, H, KVH, at, k.stride(1),
                                         static_cast<float>(scale));
       }))
     return out;
 #endif
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "decode_attention", [&] {
     attend(qc.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), sp, np,
-           op, R, H, KVH, D, k.stride(0), k.stride(1), static_cast<float>(scale));
+           op, R, H, KVH, D, at, k.stride(1), static_cast<float>(scale));
   });
   return out;
 }
@@ -266,8 +318,8 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
 }  // namespace tandem
 
 TORCH_LIBRARY_FRAGMENT(tandem, m) {
-  m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor slots, Tensor lengths, float scale, Tensor? last=None) "
-        "-> Tensor");
+  m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor slots, Tensor lengths, float scale, Tensor? last=None, "
+        "Tensor? pages=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tandem, CPU, m) { m.impl("decode_attention", tandem::decode_attention); }

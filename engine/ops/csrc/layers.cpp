@@ -8,7 +8,8 @@
 // results are the same numbers.
 //
 // Each token is its own row: it writes its K/V at positions[n] of slot slots[n], and once every
-// row of the layer has written, it attends to positions 0 .. positions[n] of its slot. Tokens of
+// row of the layer has written, it attends to positions 0 .. positions[n] of its slot. The cache is
+// slot-major, or one unified pool read through a page table (tandem::Layout). Tokens of
 // one slot at consecutive positions (a verify block, a prompt chunk) thereby attend causally.
 // A tree's verify rows give rope_positions too: a node written at positions[n] but standing at
 // rope_positions[n] attends to 0 .. rope_positions[n]-1 (the chain before it) and then itself.
@@ -49,10 +50,12 @@ at::Tensor linear(const at::Tensor& x, const Weights& w, int64_t base, Slot s) {
 // Rows of qk [N, heads, D] normalised per head, in place.
 void norm_heads(at::Tensor qk, const at::Tensor& weight, double eps) { qk.copy_(tandem::rms_norm(qk, weight, eps)); }
 
+using tandem::Layout;
+
 // Row n's key and value heads (k, v: [N, KVH, D] views of the qkv rows) into the cache at slot
 // slots[n], position positions[n].
 void write_cache(const at::Tensor& k, const at::Tensor& v, at::Tensor& kc, at::Tensor& vc, const int64_t* slots,
-                 const int64_t* positions) {
+                 const int64_t* positions, const Layout& at) {
   const int64_t N = k.size(0), KVH = k.size(1), e = k.element_size(), bytes = k.size(2) * e;
   const char* kr = static_cast<const char*>(k.data_ptr());
   const char* vr = static_cast<const char*>(v.data_ptr());
@@ -61,39 +64,52 @@ void write_cache(const at::Tensor& k, const at::Tensor& v, at::Tensor& kc, at::T
   for (int64_t n = 0; n < N; ++n)
     for (int64_t g = 0; g < KVH; ++g) {
       const int64_t from = (n * k.stride(0) + g * k.stride(1)) * e;
-      const int64_t to = (slots[n] * kc.stride(0) + g * kc.stride(1) + positions[n] * kc.stride(2)) * e;
+      const int64_t to =
+          (at.slot_offset(slots[n]) + g * kc.stride(1) + at.row(slots[n], positions[n]) * kc.stride(2)) * e;
       std::memcpy(kb + to, kr + from, bytes);
       std::memcpy(vb + to, vr + from, bytes);
     }
 }
 
-// Pooled keys [S, KVH, C / ratio, D] f32 of a QSA layer: block p / ratio of slot slots[n] for each
-// row n whose position p ends its block, from the keys now in the cache (as engine/qsa.py
-// block_means computes them).
+// Pooled keys [S, KVH, C / ratio, D] f32 of a QSA layer (a pool's: [1, KVH, P / ratio, D]): block
+// p / ratio of slot slots[n] for each row n whose position p ends its block, from the keys now in
+// the cache (as engine/qsa.py block_means computes them). A block lies in one page.
 void pool_blocks(const at::Tensor& kc, const at::Tensor& kpool, const int64_t* slots, const int64_t* positions,
-                 int64_t N, int64_t ratio) {
+                 int64_t N, int64_t ratio, const Layout& at) {
   for (int64_t n = 0; n < N; ++n) {
     if ((positions[n] + 1) % ratio) continue;
-    const int64_t block = positions[n] / ratio;
-    kpool[slots[n]].select(1, block).copy_(kc[slots[n]].narrow(1, block * ratio, ratio).to(at::kFloat).mean(1));
+    const int64_t first = at.row(slots[n], positions[n] / ratio * ratio), c = at.pages ? 0 : slots[n];
+    kpool[c].select(1, first / ratio).copy_(kc[c].narrow(1, first, ratio).to(at::kFloat).mean(1));
   }
+}
+
+// Where slot s's positions 0 .. length-1 lie in a pool of `pool` rows, [length] int64.
+at::Tensor slot_rows(const at::Tensor& pages, int64_t s, int64_t length, int64_t pool) {
+  const int64_t page = pool / pages.size(1), held = (length + page - 1) / page;
+  const at::Tensor runs = pages[s].narrow(0, 0, held).unsqueeze(1) * page + at::arange(page, pages.options());
+  return runs.flatten().narrow(0, 0, length);
 }
 
 // One query q [H, D] at position p past the budget, against its slot's keys and values [KVH, C, D]
 // and pooled keys [KVH, C / ratio, D]: the `keep` best complete blocks by engine/qsa.py
 // select_blocks' score (a stable sort: ties to the lower block), and the tail block -> [H, D].
+// rows: where the slot's positions 0 .. p lie in a pool's keys (undefined: at their own indices).
 at::Tensor attend_selected(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
-                           const at::Tensor& pool, int64_t p, int64_t ratio, int64_t keep) {
+                           const at::Tensor& pool, int64_t p, int64_t ratio, int64_t keep, const at::Tensor& rows) {
   const int64_t H = q.size(0), D = q.size(1), KVH = keys.size(0), visible = p / ratio;
   const at::Tensor qg = q.to(at::kFloat).view({KVH, H / KVH, D});
+  const at::Tensor blocks = rows.defined()
+                                ? pool.index_select(1, rows.narrow(0, 0, visible * ratio).slice(0, 0, c10::nullopt, ratio)
+                                                           .div(ratio, "floor"))
+                                : pool.narrow(1, 0, visible);
   const at::Tensor scores =
-      at::matmul(qg, pool.narrow(1, 0, visible).transpose(1, 2)).relu().sum({0, 1}) *
-      std::pow(static_cast<double>(D), -0.5);
+      at::matmul(qg, blocks.transpose(1, 2)).relu().sum({0, 1}) * std::pow(static_cast<double>(D), -0.5);
   const at::Tensor best = std::get<1>(scores.sort(/*stable=*/true, /*dim=*/0, /*descending=*/true)).narrow(0, 0, keep);
   const at::Tensor kept = std::get<0>(best.sort());
   const at::TensorOptions index = at::TensorOptions().dtype(at::kLong);
-  const at::Tensor seen = at::cat({(kept.unsqueeze(1) * ratio + at::arange(ratio, index)).flatten(),
-                                   at::arange(visible * ratio, p + 1, index)});
+  const at::Tensor logical = at::cat({(kept.unsqueeze(1) * ratio + at::arange(ratio, index)).flatten(),
+                                      at::arange(visible * ratio, p + 1, index)});
+  const at::Tensor seen = rows.defined() ? rows.index_select(0, logical) : logical;
   const at::Tensor k = keys.index_select(1, seen).to(at::kFloat), v = values.index_select(1, seen).to(at::kFloat);
   const at::Tensor weights = at::softmax(at::matmul(qg, k.transpose(1, 2)) / std::sqrt(static_cast<double>(D)), -1);
   return at::matmul(weights, v).view({H, D}).to(q.scalar_type());
@@ -104,21 +120,25 @@ at::Tensor attend_selected(const at::Tensor& q, const at::Tensor& keys, const at
 // decode_attention call; a QSA layer's other rows attend their selected blocks.
 at::Tensor attend_rows(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& kpool,
                        const at::Tensor& slots, const at::Tensor& positions, const at::Tensor& lengths,
-                       const c10::optional<at::Tensor>& last, int64_t ratio, int64_t keep) {
+                       const c10::optional<at::Tensor>& last, int64_t ratio, int64_t keep,
+                       const c10::optional<at::Tensor>& pages) {
   const double scale = 1.0 / std::sqrt(static_cast<double>(kc.size(3)));
   const int64_t* sp = slots.data_ptr<int64_t>();
   const int64_t* pp = positions.data_ptr<int64_t>();
   std::vector<int64_t> within, past;
   for (int64_t n = 0; n < q.size(0); ++n) (ratio && pp[n] / ratio > keep ? past : within).push_back(n);
-  if (past.empty()) return tandem::decode_attention(q, kc, vc, slots, lengths, scale, last);
+  if (past.empty()) return tandem::decode_attention(q, kc, vc, slots, lengths, scale, last, pages);
   at::Tensor out = at::empty(q.sizes(), q.options());
   if (!within.empty()) {
     const at::Tensor rows = at::tensor(within, at::kLong);
     out.index_copy_(0, rows, tandem::decode_attention(q.index_select(0, rows), kc, vc, slots.index_select(0, rows),
-                                                      lengths.index_select(0, rows), scale, c10::nullopt));
+                                                      lengths.index_select(0, rows), scale, c10::nullopt, pages));
   }
-  for (const int64_t n : past)
-    out[n].copy_(attend_selected(q[n], kc[sp[n]], vc[sp[n]], kpool[sp[n]], pp[n], ratio, keep));
+  for (const int64_t n : past) {
+    const int64_t c = pages.has_value() ? 0 : sp[n];
+    const at::Tensor rows = pages.has_value() ? slot_rows(*pages, sp[n], pp[n] + 1, kc.size(2)) : at::Tensor();
+    out[n].copy_(attend_selected(q[n], kc[c], vc[c], kpool[c], pp[n], ratio, keep, rows));
+  }
   return out;
 }
 
@@ -126,7 +146,8 @@ at::Tensor decoder_layers(const at::Tensor& hidden, const Weights& weights, cons
                           const std::vector<at::Tensor>& v_cache, const c10::List<c10::optional<at::Tensor>>& kpools,
                           at::IntArrayRef ratios, at::IntArrayRef budgets, const at::Tensor& slots,
                           const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin, int64_t heads,
-                          int64_t kv_heads, double eps, const c10::optional<at::Tensor>& rope_positions) {
+                          int64_t kv_heads, double eps, const c10::optional<at::Tensor>& rope_positions,
+                          const c10::optional<at::Tensor>& pages) {
   const int64_t layers = static_cast<int64_t>(k_cache.size()), N = hidden.size(0);
   TORCH_CHECK(hidden.dim() == 2 && v_cache.size() == k_cache.size() &&
                   static_cast<int64_t>(weights.size()) == layers * PER_LAYER,
@@ -151,6 +172,8 @@ at::Tensor decoder_layers(const at::Tensor& hidden, const Weights& weights, cons
                     kc.size(1) == kv_heads,
                 "decoder_layers: layer ", l, "'s cache must be contiguous [S, ", kv_heads, ", C, D] in ",
                 x.scalar_type());
+    const int64_t S = tandem::check_pages(kc, pages, "decoder_layers");
+    const Layout at = Layout::of(kc, pages);
     const int64_t D = kc.size(3), ratio = ratios[l];
     const c10::optional<at::Tensor> pool = kpools.get(l);
     TORCH_CHECK(pool.has_value() == (ratio > 0), "decoder_layers: layer ", l, " has ratio ", ratio,
@@ -167,10 +190,11 @@ at::Tensor decoder_layers(const at::Tensor& hidden, const Weights& weights, cons
                   "decoder_layers: layer ", l, "'s pool must be contiguous [", kc.size(0), ", ", kv_heads, ", ",
                   kc.size(2) / ratio, ", ", D, "] in float, got ", kpool.sizes(), " in ", kpool.scalar_type());
     }
-    for (int64_t n = 0; n < N; ++n)
-      TORCH_CHECK(sp[n] >= 0 && sp[n] < kc.size(0) && pp[n] >= 0 && pp[n] < kc.size(2), "decoder_layers: row ", n,
-                  " writes slot ", sp[n], " position ", pp[n], " outside a cache of ", kc.size(0), " slots x ",
-                  kc.size(2));
+    for (int64_t n = 0; n < N; ++n) {
+      TORCH_CHECK(sp[n] >= 0 && sp[n] < S && pp[n] >= 0 && pp[n] < kc.size(2), "decoder_layers: row ", n,
+                  " writes slot ", sp[n], " position ", pp[n], " outside a cache of ", S, " slots x ", kc.size(2));
+      tandem::check_rows(pages, sp[n], pp[n] + 1, kc.size(2), "decoder_layers");
+    }
     const at::Tensor qkv = linear(tandem::rms_norm(x, required(weights, b + IN_NORM), eps), weights, b, QKV)
                                .view({N, heads + 2 * kv_heads, D});
     if (weights.get(b + Q_NORM).has_value()) {
@@ -178,10 +202,10 @@ at::Tensor decoder_layers(const at::Tensor& hidden, const Weights& weights, cons
       norm_heads(qkv.narrow(1, heads, kv_heads), required(weights, b + K_NORM), eps);
     }
     tandem::rope_(qkv.narrow(1, 0, heads + kv_heads), cos, sin);
-    write_cache(qkv.narrow(1, heads, kv_heads), qkv.narrow(1, heads + kv_heads, kv_heads), kc, vc, sp, pp);
-    if (ratio) pool_blocks(kc, kpool, sp, pp, N, ratio);
-    const at::Tensor attn =
-        attend_rows(qkv.narrow(1, 0, heads), kc, vc, kpool, s, p, lengths, last, ratio, ratio ? budgets[l] / ratio : 0);
+    write_cache(qkv.narrow(1, heads, kv_heads), qkv.narrow(1, heads + kv_heads, kv_heads), kc, vc, sp, pp, at);
+    if (ratio) pool_blocks(kc, kpool, sp, pp, N, ratio, at);
+    const at::Tensor attn = attend_rows(qkv.narrow(1, 0, heads), kc, vc, kpool, s, p, lengths, last, ratio,
+                                        ratio ? budgets[l] / ratio : 0, pages);
     x = x + linear(attn.view({N, heads * D}), weights, b, O);
     const at::Tensor gate_up = linear(tandem::rms_norm(x, required(weights, b + POST_NORM), eps), weights, b, GATE_UP);
     const int64_t inter = gate_up.size(1) / 2;
@@ -195,7 +219,7 @@ at::Tensor decoder_layers(const at::Tensor& hidden, const Weights& weights, cons
 TORCH_LIBRARY_FRAGMENT(tandem, m) {
   m.def("decoder_layers(Tensor hidden, Tensor?[] weights, Tensor[] k_cache, Tensor[] v_cache, Tensor?[] kpools, "
         "int[] ratios, int[] budgets, Tensor slots, Tensor positions, Tensor cos, Tensor sin, int heads, int kv_heads, "
-        "float eps, Tensor? rope_positions=None) -> Tensor");
+        "float eps, Tensor? rope_positions=None, Tensor? pages=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tandem, CPU, m) { m.impl("decoder_layers", decoder_layers); }

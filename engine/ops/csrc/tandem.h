@@ -21,9 +21,37 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 // Rotates x [N, H, D] in place (unit stride along D); cos, sin [N, D].
 void rope_(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin);
 
+// Where slot s's position l lies in a cache layer. Slot-major ([S, KVH, C, D], no page table): at
+// [s, :, l]. A unified pool ([1, KVH, P, D] with a page table [S, pages] of int64): slot s's
+// positions fill its pages in order, pages[s][i] holding positions i * page .. i * page + page-1,
+// so row l sits at [0, :, pages[s][l / page] * page + l % page]. A page is a power of two of at
+// least 16 rows, so 16 aligned positions are always one run of rows.
+struct Layout {
+  const int64_t* pages = nullptr;
+  int64_t pages_per_slot = 0, shift = 0, slot_stride = 0;
+
+  // The layout of cache layer k for the optional page table (which the caller has checked).
+  static Layout of(const at::Tensor& k, const c10::optional<at::Tensor>& pages);
+  int64_t slot_offset(int64_t s) const { return pages ? 0 : s * slot_stride; }
+  int64_t row(int64_t s, int64_t l) const {
+    if (!pages) return l;
+    return (pages[s * pages_per_slot + (l >> shift)] << shift) | (l & ((int64_t{1} << shift) - 1));
+  }
+};
+
+// Checks a page table for cache layer k [1, KVH, P, D]: [S, P / page] int64, contiguous, page a
+// power of two >= 16; returns the slots it has (S). Without one, k's own slots.
+int64_t check_pages(const at::Tensor& k, const c10::optional<at::Tensor>& pages, const char* op);
+
+// Checks that the pages slot s's first `length` positions lie in are pages of a pool of `pool`
+// positions (nothing to check without a page table).
+void check_rows(const c10::optional<at::Tensor>& pages, int64_t s, int64_t length, int64_t pool, const char* op);
+
 // q [R, H, D], one query per row, against positions 0 .. lengths[r]-2 and last[r] (default
-// lengths[r]-1) of slot slots[r] of a cache layer k, v [S, KVH, C, D] -> [R, H, D].
+// lengths[r]-1) of slot slots[r] of a cache layer k, v [S, KVH, C, D] (or a pool through `pages`,
+// see Layout) -> [R, H, D].
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& slots,
-                            const at::Tensor& lengths, double scale, const c10::optional<at::Tensor>& last);
+                            const at::Tensor& lengths, double scale, const c10::optional<at::Tensor>& last,
+                            const c10::optional<at::Tensor>& pages);
 
 }  // namespace tandem
