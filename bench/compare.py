@@ -11,12 +11,16 @@ lookup; llama.cpp through llama-cpp-python on the same GGUF file, when that pack
 timing are those of bench.formats. It also measures the machine's memory bandwidth and prints the
 TG ceiling it allows at batch 1, where every weight is read once per token.
 
-    python -m bench.compare --http [--dtype f32 int8] [--runs 3] [--tg 128] [--lanes 1] [--temperature 0]
-                            [--prompts configs/prompts/open-chat.json] [--spec-type draft-mtp draft-mtp-ngram]
-                            [-md DRAFT [DRAFT ...]] [--spec-draft-width 1 [2 ...]]
+    python -m bench.compare --http [--llama-server PATH] [--dtype f32 int8] [--runs 3] [--tg 128] [--lanes 1]
+                            [--temperature 0] [--prompts configs/prompts/open-chat.json] [--main]
+                            [--spec-type draft-mtp draft-mtp-ngram] [-md DRAFT [DRAFT ...]] [--spec-draft-width 1 [2 ...]]
 
 --http: the servers instead, as a user meets them (bench/served.py): for each dtype, tandem's
-server plain and with the MTP draft, and llama.cpp's server on the same GGUF file; every run sends
+server plain and with the MTP draft (--main: also the main command as it ships, `python -m server
+-m default`, whatever its lanes), and llama.cpp's own C++ llama-server on the same GGUF file
+(--llama-server PATH; by default the build `../shared/tools/llama-server` leaves in
+~/.cache/tandem-anchors, see docs/benchmarks.md "The anchor"), or where none is built,
+llama-cpp-python's Python server, labelled as the fallback it is; every run sends
 each prompt of the file (chat prompts on tasks the draft never saw, chat-templated once and sent as
 the same text to all) to each server in turn, prompt by prompt, the first server a different one
 for each prompt, up to --tg tokens or the end of text. A run's TG is
@@ -48,6 +52,9 @@ from engine.ops.quant import BYTES_PER_WEIGHT
 from engine.settings import DEFAULT_DRAFT, DTYPES
 
 LLAMA_CPP = "llama.cpp"
+# Where ../shared/tools/llama-server leaves llama.cpp's C++ server (llama-cpp-python 0.3.36's sdist).
+ANCHOR = Path.home() / ".cache/tandem-anchors/llama-cpp-python-0.3.36/src/vendor/llama.cpp/build/bin/llama-server"
+MAIN_COMMAND = "tandem main command"
 OPEN_CHAT = Path(__file__).parents[1] / "configs/prompts/open-chat.json"
 
 
@@ -107,6 +114,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--temperature", type=float, default=0.0, help="--http: sampling temperature")
     p.add_argument("--spec-type", nargs="+", choices=["draft-mtp", "draft-mtp-ngram"], default=["draft-mtp"],
                    help="--http: the drafters each dtype is served with, beside plain")
+    p.add_argument("--llama-server", type=Path, default=ANCHOR if ANCHOR.is_file() else None,
+                   help="--http: llama.cpp's C++ llama-server binary to compare with (default: %(default)s)")
+    p.add_argument("--main", action="store_true", help="--http: also serve the main command as it ships")
     args = p.parse_args(argv)
     if args.http:
         return http_main(args)
@@ -165,8 +175,12 @@ def http_main(args: argparse.Namespace) -> int:
     if files.path.suffix != ".gguf":
         print(f"--http compares with llama.cpp's server, which needs a GGUF file; {files.path} is not one")
         return 2
-    if importlib.util.find_spec("llama_cpp") is None:
-        print('--http needs llama.cpp\'s server: pip install "llama-cpp-python[server]" (it compiles for minutes)')
+    if args.llama_server is not None and not args.llama_server.is_file():
+        print(f"--llama-server {args.llama_server}: no such file")
+        return 2
+    if args.llama_server is None and importlib.util.find_spec("llama_cpp") is None:
+        print("--http needs llama.cpp's server: build the C++ llama-server (../shared/tools/llama-server, about 15 "
+              "minutes; docs/benchmarks.md) and pass --llama-server PATH")
         return 2
     threads = args.threads or torch.get_num_threads()
     tokenizer = Tokenizer.load(files)
@@ -191,7 +205,12 @@ def http_main(args: argparse.Namespace) -> int:
                     for kind in args.spec_type:
                         command = [*base, "--spec-type", kind, "-md", draft, *limits, "--spec-draft-width", str(width)]
                         systems.append(served.TandemServer(f"tandem {dtype} + {kind}{tag}", command, threads, logs))
-            systems.append(served.LlamaCppServer(files.path, ctx, args.lanes, threads, logs))
+            if args.main:
+                systems.append(served.TandemServer(MAIN_COMMAND, ["-m", args.model], threads, logs))
+            if args.llama_server is not None:
+                systems.append(served.LlamaServer(args.llama_server, files.path, ctx, args.lanes, threads, logs))
+            else:
+                systems.append(served.LlamaCppServer(files.path, ctx, args.lanes, threads, logs))
             for s in systems:
                 s.start()
             print(f"model {args.model} ({files.path.name}), {len(texts)} prompts from {args.prompts.name}, up to "
@@ -224,13 +243,15 @@ def http_main(args: argparse.Namespace) -> int:
 
 def served_table(series: list["served.Series"]) -> str:
     by_name = {r.system: r for r in series}
-    llama = by_name.get(served.LlamaCppServer.NAME)
+    llama = by_name.get(served.LlamaServer.NAME) or by_name.get(served.LlamaCppServer.NAME)
     width = max(28, *(len(r.system) for r in series))
-    lines = [f"{'system':{width}s} {'TG tok/s':>9s} {'/plain':>7s} {'/llama.cpp':>10s} {'accepted/drafted':>17s}"]
+    against = "/" + (llama.system.split()[0] if llama else "llama.cpp")
+    w = max(10, len(against))
+    lines = [f"{'system':{width}s} {'TG tok/s':>9s} {'/plain':>7s} {against:>{w}s} {'accepted/drafted':>17s}"]
     for r in series:
         plain = by_name.get(r.system.split(" + ")[0])
         own = f"{r.tg_median / plain.tg_median:6.2f}x" if plain is not r and plain else f"{'':7s}"
-        vs = f"{r.tg_median / llama.tg_median:9.2f}x" if llama else f"{'-':>10s}"
+        vs = f"{r.tg_median / llama.tg_median:{w - 1}.2f}x" if llama else f"{'-':>{w}s}"
         rate = f"{r.accepted}/{r.drafted} = {r.accepted / r.drafted:.2f}" if r.drafted else ""
         lines.append(f"{r.system:{width}s} {r.tg_median:9.1f} {own} {vs} {rate:>17s}")
     return "\n".join(lines)

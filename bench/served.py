@@ -1,6 +1,7 @@
 """Servers compared over HTTP, as a user meets them: tandem's `python -m server` and llama.cpp's
-server (llama-cpp-python's `python -m llama_cpp.server`), each a real process on a free loopback
-port, sent the same prompt text on /v1/completions and timed from its streamed chunks.
+own C++ `llama-server` (or, as a labelled fallback, llama-cpp-python's `python -m
+llama_cpp.server`), each a real process on a free loopback port, sent the same prompt text on
+/v1/completions and timed from its streamed chunks.
 
 TG of one request: (tokens - 1) / (arrival of the last chunk - arrival of the first), so the prompt
 is not in it; `lanes` requests at once give the aggregate TG of that many slots. The token count is
@@ -80,23 +81,20 @@ class TandemServer:
             self.process.kill()
 
 
-class LlamaCppServer:
-    """llama-cpp-python's OpenAI-style server on the same GGUF file (`pip install
-    "llama-cpp-python[server]"`: it compiles llama.cpp natively, which takes minutes)."""
+class _LlamaCpp:
+    """What llama.cpp's two servers share: the request body, the token count, the stop."""
 
-    NAME = "llama.cpp server"
+    name: str
+    url: str
+    proc: subprocess.Popen
+    log: "object"
 
-    def __init__(self, gguf: Path, ctx: int, parallel: int, threads: int, log_dir: Path):
-        self.name = self.NAME
+    def _spawn(self, argv: list[str], log_dir: Path, log_name: str) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.log = open(log_dir / "llama_cpp.log", "w")
-        # llama-cpp-python serves one request at a time per model: lanes beyond one queue there.
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--host", "127.0.0.1",
-             "--port", str(self.port), "--n_ctx", str(ctx * parallel), "--n_threads", str(threads),
-             "--n_threads_batch", str(threads), "--n_batch", "512", "--verbose", "False"],
-            stdout=self.log, stderr=subprocess.STDOUT)
+        self.log = open(log_dir / log_name, "w")
+        self.proc = subprocess.Popen([*argv, "--host", "127.0.0.1", "--port", str(self.port)], stdout=self.log,
+                                     stderr=subprocess.STDOUT)
 
     def start(self) -> None:
         wait_answering(self.proc, self.url + "/v1/models", lambda: Path(self.log.name).read_text()[-4000:])
@@ -120,7 +118,7 @@ class LlamaCppServer:
             usage = http.post("/v1/completions", json={**body, "stream": False}).json()["usage"]
         counted = self.count(chunks)[0]
         if counted != usage["completion_tokens"]:
-            raise RuntimeError(f"llama.cpp streamed {counted} token chunks for {usage['completion_tokens']} tokens: "
+            raise RuntimeError(f"{self.name} streamed {counted} token chunks for {usage['completion_tokens']} tokens: "
                                "its chunks cannot count tokens")
 
     def stop(self) -> None:
@@ -131,6 +129,34 @@ class LlamaCppServer:
             self.proc.kill()
             self.proc.wait(timeout=30)
         self.log.close()
+
+
+class LlamaServer(_LlamaCpp):
+    """llama.cpp's own C++ `llama-server` on the same GGUF file: the anchor. Built from the
+    llama.cpp source inside llama-cpp-python's sdist (docs/benchmarks.md, "The anchor")."""
+
+    NAME = "llama-server"
+
+    def __init__(self, binary: Path, gguf: Path, ctx: int, parallel: int, threads: int, log_dir: Path):
+        self.name = self.NAME
+        unified = ["--kv-unified"] if parallel > 1 else []
+        self._spawn([str(binary), "-m", str(gguf), "-c", str(ctx * parallel), "-np", str(parallel), *unified,
+                     "-t", str(threads), "-tb", str(threads), "-b", "512", "--no-webui"], log_dir, "llama_server.log")
+
+
+class LlamaCppServer(_LlamaCpp):
+    """llama-cpp-python's OpenAI-style server on the same GGUF file (`pip install
+    "llama-cpp-python[server]"`: it compiles llama.cpp natively, which takes minutes). A fallback
+    where the C++ server is not built: its Python layer makes it slower than llama-server."""
+
+    NAME = "llama-cpp-python server (fallback)"
+
+    def __init__(self, gguf: Path, ctx: int, parallel: int, threads: int, log_dir: Path):
+        self.name = self.NAME
+        # llama-cpp-python serves one request at a time per model: lanes beyond one queue there.
+        self._spawn([sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--n_ctx", str(ctx * parallel),
+                     "--n_threads", str(threads), "--n_threads_batch", str(threads), "--n_batch", "512",
+                     "--verbose", "False"], log_dir, "llama_cpp.log")
 
 
 def one_stream(server, text: str, max_tokens: int, temperature: float, seed: int) -> tuple[float, float, tuple]:

@@ -39,15 +39,30 @@ def test_measure_counts_the_tokens_after_each_streams_first(tandem, lanes):
     assert (sample.drafted, sample.accepted) == (0, 0)  # no drafter on this server
 
 
-def test_table_gives_each_drafted_system_against_its_plain_twin_and_llama_cpp():
+def test_table_gives_each_drafted_system_against_its_plain_twin_and_llama_server():
     rows = [served.Series("tandem int8", [100.0, 110.0, 90.0]),
             served.Series("tandem int8 + draft-mtp", [150.0, 160.0, 140.0], drafted=200, accepted=150),
             # several drafts in one command are told apart by their paths, against the same plain twin
             served.Series("tandem int8 + draft-mtp (a-much-longer-draft-file-name)", [120.0], drafted=10, accepted=4),
-            served.Series(served.LlamaCppServer.NAME, [120.0, 80.0, 100.0])]
+            served.Series(served.LlamaServer.NAME, [120.0, 80.0, 100.0])]
     lines = served_table(rows).splitlines()
+    assert lines[0].split()[4] == "/llama-server"
     assert lines[1].split() == ["tandem", "int8", "100.0", "1.00x"]
     assert lines[2].split() == ["tandem", "int8", "+", "draft-mtp", "150.0", "1.50x", "1.50x", "150/200", "=", "0.75"]
     assert lines[3].split()[5:] == ["120.0", "1.20x", "1.20x", "4/10", "=", "0.40"]
-    assert lines[4].split() == ["llama.cpp", "server", "100.0", "1.00x"]
+    assert lines[4].split() == ["llama-server", "100.0", "1.00x"]
     assert lines[3].index("120.0") == lines[1].index("100.0")  # the long name widens the column for every row
+
+
+def test_without_the_cpp_server_the_python_server_is_the_labelled_fallback():
+    rows = [served.Series("tandem int8", [100.0]), served.Series(served.LlamaCppServer.NAME, [80.0])]
+    lines = served_table(rows).splitlines()
+    assert lines[0].split()[4] == "/llama-cpp-python"
+    assert lines[1].split() == ["tandem", "int8", "100.0", "1.25x"]
+    assert lines[2].split()[:3] == ["llama-cpp-python", "server", "(fallback)"]
+
+
+def test_http_names_a_llama_server_path_that_is_not_there(tmp_path, capsys):
+    from bench.compare import main
+    assert main(["--http", "--llama-server", str(tmp_path / "nowhere")]) == 2
+    assert f"--llama-server {tmp_path / 'nowhere'}: no such file" in capsys.readouterr().out
