@@ -33,7 +33,7 @@ class ServerFlags:
     batch_size: int = 2048
     ubatch_size: int = 512
     threads: int | None = None
-    dtype: str = "f32"
+    dtype: str = "auto"  # the file's own formats: the default model's Q4_1 blocks give f32's greedy tokens
     kv_unified: bool = False
     cache_type_k: str | None = None
     cache_type_v: str | None = None
@@ -133,7 +133,8 @@ _FLAGS = (
     _Flag(("-b", "--batch-size"), "most tokens one engine step takes", _ranged(int, 1)),
     _Flag(("-ub", "--ubatch-size"), "most prompt tokens one forward takes", _ranged(int, 1)),
     _Flag(("-t", "--threads"), "torch threads", _ranged(int, 1)),
-    _Flag(("--dtype",), "weight format", _one_of(DTYPES)),
+    _Flag(("--dtype",), "weight format (default: auto, each tensor as the file stores it, as llama-server serves "
+          "it; f32 for a safetensors file)", _one_of(DTYPES)),
     _Flag(("--kv-unified",), "one KV pool shared by all slots", None),
     _Flag(("-ctk", "--cache-type-k"),
           "KV cache type for K (default: the compute type, f32 or bf16 with --dtype bf16)", _one_of(KV_CACHE_TYPES)),

@@ -74,7 +74,7 @@ def test_the_kv_cache_holds_the_compute_type_unless_told_otherwise(argv, types):
 
 def test_the_default_model_serves_the_product_speculating_on_four_unified_slots():
     engine, _ = parse([])
-    assert (engine.model, engine.dtype, engine.parallel, engine.kv_unified) == ("default", "f32", AUTO_PARALLEL, True)
+    assert (engine.model, engine.dtype, engine.parallel, engine.kv_unified) == ("default", "auto", AUTO_PARALLEL, True)
     assert engine.ctx_per_slot == engine.ctx_size  # each request may still use the whole context
     assert (engine.spec.type, engine.spec.draft_model, engine.spec.width) == ("draft-mtp-ngram", str(DEFAULT_DRAFT), 3)
     assert parse(["--spec-draft-width", "1"])[0].spec.width == 1

@@ -1,7 +1,8 @@
 """Greedy output through a real server on the default model (SmolLM2-135M): the official openai
-client, concurrent streams against solo runs, and prefix reuse, on a plain server (`--spec-type
-none`, two slots); and what `python -m server` serves with no flags: the shipped MTP draft on 4
-slots sharing one KV pool, with the plain server's greedy answer.
+client, concurrent streams against solo runs, and prefix reuse, on a plain f32 server (`--spec-type
+none --dtype f32`, two slots); and what `python -m server` serves with no flags: the file's own
+Q4_1 blocks and the shipped MTP draft on 4 slots sharing one KV pool, with the plain f32 server's
+greedy answer.
 
 Token lists are compared with the exact-token rule (docs/architecture.md, "The exact-token rule");
 the reference's top-2 logit gap comes from its own top_logprobs (a logprob gap equals the logit gap)."""
@@ -25,7 +26,7 @@ QUESTIONS = ["What is the capital of France?", "Name three colours.", "Why is th
 @pytest.fixture(scope="module")
 def server(start_server):
     s = start_server(["-m", "default", "-np", "2", "-c", "4096", "-ub", "128", "--alias", "smollm2", "--spec-type",
-                      "none"], wait=False)
+                      "none", "--dtype", "f32"], wait=False)
     s.first_health = first_health_answer(s)
     yield s.wait_ready()
     s.kill()
@@ -147,7 +148,7 @@ def test_the_main_command_serves_the_shipped_draft_on_four_unified_slots(start_s
         product.kill()
     assert (props["speculative"]["type"], props["speculative"]["draft_model"], props["speculative"]["width"]) == \
         ("draft-mtp-ngram", str(DEFAULT_DRAFT), 3)
-    assert (props["dtype"], props["total_slots"], props["kv_unified"]) == ("f32", 4, True)
+    assert (props["dtype"], props["total_slots"], props["kv_unified"]) == ("auto", 4, True)
     assert [(s["n_ctx"], s["speculative"]) for s in slots] == [(props["n_ctx"], True)] * 4
     with server.client() as c:
         plain = whole(c, chat(QUESTIONS[3]))
