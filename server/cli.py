@@ -8,25 +8,24 @@ from engine.settings import SPEC_NONE, SPEC_TYPES
 from server.flags import AUTO_PARALLEL, ServerFlags, parse_flags
 from server.state import ServerSettings
 
-# The main command's trees: with f32 it paid 1.45x plain against a chain's 1.39x on open chat.
-MAIN_WIDTH = 3
 
 
 def _spec(f: ServerFlags) -> SpecConfig | None:
     """--spec-type as given (none: off). Without it the default model, the product, speculates with
-    draft-mtp-ngram and its shipped draft (or -md's file), in trees of MAIN_WIDTH candidates per
-    depth unless --spec-draft-width says otherwise: on open chat it paid 1.34x and 1.40x plain f32
-    where draft-mtp paid 1.19x and 1.30x (docs/benchmarks.md). Another model does not speculate
-    unasked, and -md alone does not turn speculation on; a drafter asked for drafts chains."""
+    draft-mtp-ngram and its shipped draft (or -md's file), in chains: on open chat it paid 1.34x
+    and 1.40x plain f32 where draft-mtp paid 1.19x and 1.30x, and over the file's own Q4_1 blocks
+    (the default format) a chain paid 1.19x plain where trees of 2 and 3 paid 1.14x and 1.10x
+    (docs/benchmarks.md). Another model does not speculate unasked, and -md alone does not turn
+    speculation on."""
     if f.spec_type is None and f.model == "default":
-        kind, draft, width = "draft-mtp-ngram", f.spec_draft_model or "default", MAIN_WIDTH
+        kind, draft = "draft-mtp-ngram", f.spec_draft_model or "default"
     elif f.spec_type is None or f.spec_type == SPEC_NONE:
         return None
     else:
-        kind, draft, width = SPEC_TYPES[f.spec_type], f.spec_draft_model, 1
+        kind, draft = SPEC_TYPES[f.spec_type], f.spec_draft_model
     return SpecConfig(type=kind, draft_model=draft, n_max=f.spec_draft_n_max, n_min=f.spec_draft_n_min,
                       p_min=f.spec_draft_p_min, ngram_n=f.spec_ngram_size_n, max_batch=f.spec_max_batch,
-                      width=f.spec_draft_width or width, p_sibling=f.spec_draft_p_sibling)
+                      width=f.spec_draft_width, p_sibling=f.spec_draft_p_sibling)
 
 
 def configs(f: ServerFlags) -> tuple[EngineConfig, ServerSettings]:

@@ -53,7 +53,7 @@ class ServerFlags:
     spec_draft_n_min: int = 0
     spec_draft_n_max: int = 3
     spec_draft_p_min: float = 0.5
-    spec_draft_width: int | None = None  # None: 1, or server.cli.MAIN_WIDTH for the main command
+    spec_draft_width: int = 1
     spec_draft_p_sibling: float = 0.1
     spec_ngram_size_n: int = 3
     spec_max_batch: int = 1
@@ -163,8 +163,7 @@ _FLAGS = (
     _Flag(("--spec-draft-p-min",), "stop drafting when the draft's top-1 probability is below this",
           _ranged(float, 0, 1)),
     _Flag(("--spec-draft-width",), "candidates verified per draft depth: the chain's token and up to N-1 siblings, "
-          "the draft's next most likely tokens, tried where it is rejected (default: 3 for -m default without "
-          "--spec-type, else 1, a chain)", _ranged(int, 1, 8)),
+          "the draft's next most likely tokens, tried where it is rejected (default: 1, a chain)", _ranged(int, 1, 8)),
     _Flag(("--spec-draft-p-sibling",), "least draft probability a sibling needs", _ranged(float, 0, 1)),
     _Flag(("--spec-max-batch",), "speculate only while at most this many requests decode (0: always); on a CPU "
           "more verify rows cost more than the drafts save", _ranged(int, 0)),

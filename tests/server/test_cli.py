@@ -76,9 +76,9 @@ def test_the_default_model_serves_the_product_speculating_on_four_unified_slots(
     engine, _ = parse([])
     assert (engine.model, engine.dtype, engine.parallel, engine.kv_unified) == ("default", "auto", AUTO_PARALLEL, True)
     assert engine.ctx_per_slot == engine.ctx_size  # each request may still use the whole context
-    assert (engine.spec.type, engine.spec.draft_model, engine.spec.width) == ("draft-mtp-ngram", str(DEFAULT_DRAFT), 3)
-    assert parse(["--spec-draft-width", "1"])[0].spec.width == 1
-    assert parse(["-m", "x", "--spec-type", "mtp", "-md", "d"])[0].spec.width == 1  # asked-for drafters chain
+    assert (engine.spec.type, engine.spec.draft_model, engine.spec.width) == ("draft-mtp-ngram", str(DEFAULT_DRAFT), 1)
+    assert parse(["--spec-draft-width", "3"])[0].spec.width == 3
+    assert parse(["-m", "x", "--spec-type", "mtp", "-md", "d"])[0].spec.width == 1
     assert engine.spec.max_batch == 1  # drafts only while one request decodes: more rows cost more on a CPU
     assert parse(["-m", "default"])[0] == engine
     assert parse(["--spec-max-batch", "0"])[0].spec.max_batch == 0

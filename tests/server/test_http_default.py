@@ -147,7 +147,7 @@ def test_the_main_command_serves_the_shipped_draft_on_four_unified_slots(start_s
     finally:
         product.kill()
     assert (props["speculative"]["type"], props["speculative"]["draft_model"], props["speculative"]["width"]) == \
-        ("draft-mtp-ngram", str(DEFAULT_DRAFT), 3)
+        ("draft-mtp-ngram", str(DEFAULT_DRAFT), 1)
     assert (props["dtype"], props["total_slots"], props["kv_unified"]) == ("auto", 4, True)
     assert [(s["n_ctx"], s["speculative"]) for s in slots] == [(props["n_ctx"], True)] * 4
     with server.client() as c:
