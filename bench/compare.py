@@ -18,8 +18,8 @@ TG ceiling it allows at batch 1, where every weight is read once per token.
 --http: the servers instead, as a user meets them (bench/served.py): for each dtype, tandem's
 server plain and with the MTP draft (--main: also the main command as it ships, `python -m server
 -m default`, whatever its lanes), and llama.cpp's own C++ llama-server on the same GGUF file
-(--llama-server PATH; by default the build `../shared/tools/llama-server` leaves in
-~/.cache/tandem-anchors, see docs/benchmarks.md "The anchor"), or where none is built,
+(--llama-server PATH; by default the build docs/benchmarks.md's recipe, "The anchor", leaves
+under ~/.cache/tandem-anchors), or where none is built,
 llama-cpp-python's Python server, labelled as the fallback it is; every run sends
 each prompt of the file (chat prompts on tasks the draft never saw, chat-templated once and sent as
 the same text to all) to each server in turn, prompt by prompt, the first server a different one
@@ -52,7 +52,7 @@ from engine.ops.quant import BYTES_PER_WEIGHT
 from engine.settings import DEFAULT_DRAFT, DTYPES
 
 LLAMA_CPP = "llama.cpp"
-# Where ../shared/tools/llama-server leaves llama.cpp's C++ server (llama-cpp-python 0.3.36's sdist).
+# Where docs/benchmarks.md's recipe ("The anchor") builds llama.cpp's C++ server.
 ANCHOR = Path.home() / ".cache/tandem-anchors/llama-cpp-python-0.3.36/src/vendor/llama.cpp/build/bin/llama-server"
 MAIN_COMMAND = "tandem main command"
 OPEN_CHAT = Path(__file__).parents[1] / "configs/prompts/open-chat.json"
@@ -179,8 +179,8 @@ def http_main(args: argparse.Namespace) -> int:
         print(f"--llama-server {args.llama_server}: no such file")
         return 2
     if args.llama_server is None and importlib.util.find_spec("llama_cpp") is None:
-        print("--http needs llama.cpp's server: build the C++ llama-server (../shared/tools/llama-server, about 15 "
-              "minutes; docs/benchmarks.md) and pass --llama-server PATH")
+        print("--http needs llama.cpp's server: build the C++ llama-server (docs/benchmarks.md, \"The anchor\"; "
+              "about 15 minutes) and pass --llama-server PATH")
         return 2
     threads = args.threads or torch.get_num_threads()
     tokenizer = Tokenizer.load(files)

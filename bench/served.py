@@ -85,9 +85,6 @@ class _LlamaCpp:
     """What llama.cpp's two servers share: the request body, the token count, the stop."""
 
     name: str
-    url: str
-    proc: subprocess.Popen
-    log: "object"
 
     def _spawn(self, argv: list[str], log_dir: Path, log_name: str) -> None:
         self.port = free_port()

@@ -9,7 +9,6 @@ from server.flags import AUTO_PARALLEL, ServerFlags, parse_flags
 from server.state import ServerSettings
 
 
-
 def _spec(f: ServerFlags) -> SpecConfig | None:
     """--spec-type as given (none: off). Without it the default model, the product, speculates with
     draft-mtp-ngram and its shipped draft (or -md's file), in chains: on open chat it paid 1.34x

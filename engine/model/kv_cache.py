@@ -319,14 +319,18 @@ class PagedKVCache(_Stores):
             self.k[layer].index_copy_(1, rows, k.to(self.k[layer].dtype))
             self.v[layer].index_copy_(1, rows, v.to(self.v[layer].dtype))
         if self.kpool[layer] is not None:
-            r = self.specs[layer].ratio
-            first, last = start // r, end // r
-            if last > first and base is not None:  # a page starts on a block: base // r is the pool row
-                self.kpool[layer][:, base // r + first:base // r + last] = \
-                    block_means(self.k[layer][:, base + first * r:base + last * r], r)
-            elif last > first:
-                keys = self.k[layer].index_select(1, self._index[slot][first * r:last * r].to(self.devices[layer]))
-                self.kpool[layer].index_copy_(1, self._pool_rows(layer, slot, first, last), block_means(keys, r))
+            self._pool_blocks(layer, slot, start, end)
+
+    def _pool_blocks(self, layer: int, slot: int, start: int, end: int) -> None:
+        """Recompute the pooled keys of the slot's blocks whose last position lies in start .. end-1."""
+        r, base = self.specs[layer].ratio, self._base[slot]
+        first, last = start // r, end // r
+        if last > first and base is not None:  # a page starts on a block: base // r is the pool row
+            self.kpool[layer][:, base // r + first:base // r + last] = \
+                block_means(self.k[layer][:, base + first * r:base + last * r], r)
+        elif last > first:
+            keys = self.k[layer].index_select(1, self._index[slot][first * r:last * r].to(self.devices[layer]))
+            self.kpool[layer].index_copy_(1, self._pool_rows(layer, slot, first, last), block_means(keys, r))
 
     def _pool_rows(self, layer: int, slot: int, first: int, last: int) -> torch.Tensor:
         """Pool-block indices of the slot's blocks first .. last-1 of the layer, on its device (a
@@ -358,9 +362,9 @@ class PagedKVCache(_Stores):
         self.k[layer][:, rows] = k.transpose(0, 1)
         self.v[layer][:, rows] = v.transpose(0, 1)
         if self.kpool[layer] is not None:
-            r = self.specs[layer].ratio
-            for row in rows[(positions + 1) % r == 0].tolist():  # rows that complete a block of their page
-                self.kpool[layer][:, row // r] = block_means(self.k[layer][:, row + 1 - r:row + 1], r)[:, 0]
+            ends = (positions + 1) % self.specs[layer].ratio == 0  # rows that complete a block
+            for slot, position in zip(slots[ends].tolist(), positions[ends].tolist()):
+                self._pool_blocks(layer, slot, position, position + 1)
 
     def read(self, layer: int, slot: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """[kv_heads, length, head_dim]: a view when the slot's pages are contiguous, else a gather."""

@@ -198,13 +198,14 @@ def fused_layers(layers: list[DecoderLayer], x: torch.Tensor, batch: ForwardBatc
     first = layers[0]
     if not kernels.usable(x) or batch.probes is not None or len(batch.slots) != batch.num_tokens \
             or batch.num_tokens > first.self_attn.qkv_proj.max_kernel_rows \
-            or cache.kernel_view(first.index, x.dtype) is None \
             or any(layer._forward_pre_hooks or layer._forward_hooks for layer in layers):
+        return None
+    views = [cache.kernel_view(layer.index, x.dtype) for layer in layers]
+    if any(view is None for view in views):  # q8_0, or another dtype than x's
         return None
     a = first.self_attn
     weights = [w for layer in layers for w in layer.kernel_weights]
     specs = [layer.self_attn.spec for layer in layers]
-    views = [cache.kernel_view(layer.index, x.dtype) for layer in layers]
     return kernels.decoder_layers(x, weights, [view.k for view in views], [view.v for view in views],
                                   [view.kpool for view in views], [spec.ratio for spec in specs],
                                   [spec.budget for spec in specs], batch.slots, batch.positions, cos, sin,
