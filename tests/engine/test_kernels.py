@@ -126,15 +126,22 @@ def test_decode_attention_matches_sdpa_row_by_row(heads, kv_heads, dtype, tol, d
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_verify_row_attends_with_the_same_bits_as_the_decode_row_it_stands_for(dtype):
+@pytest.mark.parametrize("rows, first", [(4, 150), (4, 509), (10, 1500)])  # one span, across two, past a block
+def test_a_verify_row_attends_with_the_same_bits_as_the_decode_row_it_stands_for(dtype, rows, first):
+    # The rows of a verify block share their keys' reads, and a long row's keys split into spans
+    # whose results merge; neither may change a row's bits.
     torch.manual_seed(3)
-    cache_k, cache_v = torch.randn(2, 3, 300, 64).to(dtype), torch.randn(2, 3, 300, 64).to(dtype)
-    q = torch.randn(5, 9, 64).to(dtype)
-    slots, lengths = torch.tensor([1, 1, 1, 1, 0]), torch.tensor([150, 151, 152, 153, 17])
+    cache_k, cache_v = torch.randn(2, 3, 1600, 64).to(dtype), torch.randn(2, 3, 1600, 64).to(dtype)
+    q = torch.randn(rows + 1, 9, 64).to(dtype)
+    slots, lengths = torch.tensor([1] * rows + [0]), torch.tensor([*range(first, first + rows), 17])
     together = kernels.decode_attention(q, cache_k, cache_v, slots, lengths, 0.125)
-    for r in range(5):
+    for r in range(rows + 1):
         alone = kernels.decode_attention(q[r:r + 1], cache_k, cache_v, slots[r:r + 1], lengths[r:r + 1], 0.125)
         assert torch.equal(together[r], alone[0]), r
+    k, v = cache_k[1, :, :first + rows - 1].float(), cache_v[1, :, :first + rows - 1].float()
+    ref = F.scaled_dot_product_attention(q[rows - 1].float().view(3, 3, 1, 64), k[:, None], v[:, None], scale=0.125)
+    torch.testing.assert_close(together[rows - 1].float(), ref.reshape(9, 64), rtol=0,
+                               atol=1e-5 if dtype == torch.float32 else 2e-2)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -168,6 +175,18 @@ def test_a_pool_read_through_its_page_table_attends_as_the_slot_major_cache_it_s
     paged = kernels.decode_attention(q, pool_k, pool_v, slots, lengths, 0.125, last, pages)
     assert torch.equal(paged, kernels.decode_attention(q, slot_k.contiguous(), slot_v.contiguous(), slots, lengths,
                                                        0.125, last))
+
+
+def test_a_long_verify_block_read_through_a_page_table_attends_as_the_slot_major_cache():
+    # 48 pages of 16 in a shuffled order; a verify block of 4 rows past the first span of keys.
+    torch.manual_seed(7)
+    page, order = 16, torch.randperm(48)
+    pool_k, pool_v = torch.randn(1, 3, 48 * page, 64), torch.randn(1, 3, 48 * page, 64)
+    rows = (order[:, None] * page + torch.arange(page)).flatten()
+    slot_k, slot_v = pool_k[0][:, rows][None].contiguous(), pool_v[0][:, rows][None].contiguous()  # [1, 3, 768, 64]
+    q, slots, lengths = torch.randn(4, 9, 64), torch.zeros(4, dtype=torch.long), torch.arange(700, 704)
+    paged = kernels.decode_attention(q, pool_k, pool_v, slots, lengths, 0.125, pages=order[None].clone())
+    assert torch.equal(paged, kernels.decode_attention(q, slot_k, slot_v, slots, lengths, 0.125))
 
 
 def test_decode_attention_names_a_page_outside_the_pool():

@@ -18,7 +18,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <tuple>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #ifdef __AVX512F__
@@ -36,6 +38,9 @@ inline void prefetch_row(const T* p, int64_t D) {
   const char* c = reinterpret_cast<const char*>(p);
   for (int64_t b = 0; b < D * static_cast<int64_t>(sizeof(T)); b += 64) __builtin_prefetch(c + b);
 }
+
+// The 16 rows of D from p: one run of 16 keys or values.
+inline void prefetch_run(const float* p, int64_t D) { prefetch_row(p, 16 * D); }
 
 using tandem::Layout;
 
@@ -122,13 +127,14 @@ inline __m512 exp_nonpositive(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
-// s[0 .. L-1] -> softmax(s), in place.
-inline void softmax(float* s, int64_t L) {
+// s[0 .. L-1] -> e^(s - top), in place, where top is their largest; returns {top, the sum}.
+inline std::pair<float, float> exps(float* s, int64_t L) {
   __m512 top = _mm512_set1_ps(-INFINITY);
   int64_t l = 0;
   for (; l + 16 <= L; l += 16) top = _mm512_max_ps(top, _mm512_loadu_ps(s + l));
   const __mmask16 tail = static_cast<__mmask16>((1u << (L - l)) - 1);
-  top = _mm512_set1_ps(_mm512_reduce_max_ps(_mm512_mask_loadu_ps(top, tail, s + l)));
+  const float largest = _mm512_reduce_max_ps(_mm512_mask_loadu_ps(top, tail, s + l));
+  top = _mm512_set1_ps(largest);
   __m512 total = _mm512_setzero_ps();
   for (l = 0; l + 16 <= L; l += 16) {
     const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(s + l), top));
@@ -137,79 +143,147 @@ inline void softmax(float* s, int64_t L) {
   }
   const __m512 e = _mm512_maskz_mov_ps(tail, exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, s + l), top)));
   _mm512_mask_storeu_ps(s + l, tail, e);
-  const __m512 inverse = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(_mm512_add_ps(total, e)));
-  for (l = 0; l + 16 <= L; l += 16) _mm512_storeu_ps(s + l, _mm512_mul_ps(_mm512_loadu_ps(s + l), inverse));
-  _mm512_mask_storeu_ps(s + l, tail, _mm512_mul_ps(_mm512_maskz_loadu_ps(tail, s + l), inverse));
+  return {largest, _mm512_reduce_add_ps(_mm512_add_ps(total, e))};
 }
 
-// q . key as 16 partial sums, their total the score: q is NC vectors of 16, key a row of 16 * NC.
+// q . key as 16 partial sums, their total the score: q and key are rows of 16 * NC.
 template <int NC>
-inline __m512 partial_dot(const __m512 (&q)[NC], const float* key) {
-  __m512 d = _mm512_mul_ps(q[0], _mm512_loadu_ps(key));
-  for (int c = 1; c < NC; ++c) d = _mm512_fmadd_ps(q[c], _mm512_loadu_ps(key + 16 * c), d);
+inline __m512 partial_dot(const float* q, const float* key) {
+  __m512 d = _mm512_mul_ps(_mm512_loadu_ps(q), _mm512_loadu_ps(key));
+  for (int c = 1; c < NC; ++c) d = _mm512_fmadd_ps(_mm512_loadu_ps(q + 16 * c), _mm512_loadu_ps(key + 16 * c), d);
   return d;
 }
 
-// One query head (q: NC vectors of 16, already scaled) against slot s's keys 0 .. L-2 and the key
-// at `own` (the row's own position, L-1 but for a tree node) -> scores[0 .. L-1]. Keys go 16 at a
-// time, each 16 one run of rows in either layout.
-template <int NC>
-inline void head_scores(const __m512 (&q)[NC], const float* k, const Layout& at, int64_t s, int64_t L, int64_t own,
-                        float* scores) {
-  constexpr int64_t D = 16 * NC;
-  static_assert(PREFETCH_ROWS == 16, "the next run of 16 keys is prefetched");
-  int64_t l = 0;
-  for (; l + 16 <= L; l += 16) {
-    const float* run = k + at.row(s, l) * D;
-    const float* next = l + 16 < L ? k + at.row(s, l + 16) * D : nullptr;
-    __m512 dots[16];
-    for (int j = 0; j < 16; ++j) {
-      if (next) prefetch_row(next + j * D, D);
-      dots[j] = partial_dot(q, l + j == L - 1 ? k + at.row(s, own) * D : run + j * D);
-    }
-    _mm512_storeu_ps(scores + l, sums16(dots));
-  }
-  for (; l < L; ++l) scores[l] = _mm512_reduce_add_ps(partial_dot(q, k + at.row(s, l == L - 1 ? own : l) * D));
-}
+// Keys a work item reads: positions [SPAN * c, SPAN * (c + 1)) of a row's, span c. A row longer than
+// a span is split (as flash-decoding splits it), its spans' partial results merged by their
+// largest scores: at 5,200 keys a decode row's 9 heads gave two threads 9 items, one idle a ninth
+// of the time, where 11 spans a head give 99. A row's spans depend on its own length only.
+constexpr int64_t SPAN = 512;
 
-// attend() for f32 caches and head_dim = 16 * NC, a query head at a time: its query and its output
-// stay in registers, and its keys and values come from cache (a kv head's L rows were just read by
-// the group's previous head). A work item is one (row, query head), not a (row, kv head): a decode
-// row of 3 kv heads gave two threads 3 items, one thread idle a third of the time. A row's result
-// depends only on its own query and length, as in attend(), so a verify row equals the decode row
-// it stands for.
+// Consecutive rows of one slot (a verify block) share a work item, up to this many: each key and
+// value comes from memory once for all of them, from the L1 cache for the second and later.
+constexpr int64_t BLOCK_ROWS = 8;
+
+// A work item's rows: rows first .. first+n-1 of the call, all of one slot.
+struct Block {
+  int64_t first, n;
+};
+
+// attend() for f32 caches and head_dim = 16 * NC. A work item is one block of rows, one query head
+// and one span of keys: it scores its rows' keys in that span 16 at a time (one run of rows in
+// either layout) and leaves each row's partial result (the largest score, the sum of exponentials,
+// the values weighted by them) for the merge. Before, each row streamed every key from memory on its
+// own, and a verify block of 4 rows at 5,200 keys cost 2.1x a decode row. A row's result depends only
+// on its own query, length and last position, as in attend(), so a verify row equals the decode row
+// it stands for, whatever rows share its block.
 template <int NC>
 void attend_f32(const float* q, const float* k, const float* v, float* out, const int64_t* slots,
                 const int64_t* lengths, const int64_t* last, int64_t R, int64_t H, int64_t KVH, const Layout& at,
                 int64_t kv_head_stride, float scale) {
-  constexpr int64_t D = 16 * NC;
+  constexpr int64_t D = 16 * NC, PART = D + 2;  // a partial result: D weighted values, largest, sum
   const int64_t group = H / KVH, max_len = *std::max_element(lengths, lengths + R);
-  const int64_t grain = std::max<int64_t>(1, 65536 / (max_len * D));
-  at::parallel_for(0, R * H, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(max_len);
-    for (int64_t h = begin; h < end; ++h) {  // h: row r's query head h % H, of kv head (h % H) / group
-      const int64_t r = h / H, g = h % H / group, L = lengths[r], own = last[r], s = slots[r];
-      const float* kh = k + at.slot_offset(s) + g * kv_head_stride;
-      const float* vh = v + at.slot_offset(s) + g * kv_head_stride;
-      __m512 qv[NC], acc[NC];
-      for (int c = 0; c < NC; ++c) {
-        qv[c] = _mm512_mul_ps(_mm512_loadu_ps(q + h * D + 16 * c), _mm512_set1_ps(scale));
-        acc[c] = _mm512_setzero_ps();
+  const int64_t spans = (max_len + SPAN - 1) / SPAN;
+  std::vector<Block> blocks;
+  for (int64_t r = 0; r < R; ++r) {
+    if (blocks.empty() || slots[r] != slots[blocks.back().first] || blocks.back().n == BLOCK_ROWS)
+      blocks.push_back({r, 0});
+    ++blocks.back().n;
+  }
+  std::vector<float> parts(R * H * spans * PART);  // [R, H, spans, PART]
+  const auto part = [&](int64_t r, int64_t h, int64_t c) { return parts.data() + ((r * H + h) * spans + c) * PART; };
+  const int64_t items = static_cast<int64_t>(blocks.size()) * H * spans;
+  const int64_t grain = std::max<int64_t>(1, 65536 / (std::min(max_len, SPAN) * D));
+  at::parallel_for(0, items, grain, [&](int64_t begin, int64_t end) {
+    alignas(64) float qs[BLOCK_ROWS][D];
+    std::vector<float> scores(BLOCK_ROWS * SPAN);  // [row of the block, key of the span]
+    for (int64_t item = begin; item < end; ++item) {
+      const Block& b = blocks[item / (H * spans)];
+      const int64_t c = item / H % spans, h = item % H, s = slots[b.first], from = c * SPAN;
+      const float* kh = k + at.slot_offset(s) + h / group * kv_head_stride;
+      const float* vh = v + at.slot_offset(s) + h / group * kv_head_stride;
+      // Row j of the block reads keys from .. ends[j]-1 here; its last key, lengths-1, at last[].
+      int64_t ends[BLOCK_ROWS], reach = from;
+      for (int64_t j = 0; j < b.n; ++j) {
+        ends[j] = std::min(lengths[b.first + j], from + SPAN);
+        reach = std::max(reach, ends[j]);
+        for (int64_t i = 0; i < D; ++i) qs[j][i] = q[((b.first + j) * H + h) * D + i] * scale;
       }
-      float* sh = scores.data();
-      head_scores<NC>(qv, kh, at, s, L, own, sh);
-      softmax(sh, L);
-      for (int64_t l = 0; l < L; l += 16) {  // values a run of 16 at a time, as the keys
-        const float* run = vh + at.row(s, l) * D;
-        const float* next = l + 16 < L ? vh + at.row(s, l + 16) * D : nullptr;
-        for (int64_t j = 0; j < 16 && l + j < L; ++j) {
-          const float* vl = l + j == L - 1 ? vh + at.row(s, own) * D : run + j * D;
-          if (next) prefetch_row(next + j * D, D);
-          const __m512 pl = _mm512_set1_ps(sh[l + j]);
-          for (int c = 0; c < NC; ++c) acc[c] = _mm512_fmadd_ps(pl, _mm512_loadu_ps(vl + 16 * c), acc[c]);
+      // Where row j's key l lies, as an offset from the head's first row.
+      const auto row = [&](int64_t j, int64_t l) {
+        const int64_t r = b.first + j;
+        return at.row(s, l == lengths[r] - 1 ? last[r] : l) * D;
+      };
+      for (int64_t l = from; l < reach; l += 16) {
+        const float* run = kh + at.row(s, l) * D;
+        if (l + 16 < reach) prefetch_run(kh + at.row(s, l + 16) * D, D);
+        for (int64_t j = 0; j < b.n; ++j) {
+          float* sj = scores.data() + j * SPAN + (l - from);
+          if (l + 16 <= ends[j]) {
+            __m512 dots[16];
+            for (int i = 0; i < 16; ++i)
+              dots[i] = partial_dot<NC>(qs[j], l + i == lengths[b.first + j] - 1 ? kh + row(j, l + i) : run + i * D);
+            _mm512_storeu_ps(sj, sums16(dots));
+          } else {
+            for (int64_t i = l; i < ends[j]; ++i) sj[i - l] = _mm512_reduce_add_ps(partial_dot<NC>(qs[j], kh + row(j, i)));
+          }
         }
       }
-      for (int c = 0; c < NC; ++c) _mm512_storeu_ps(out + h * D + 16 * c, acc[c]);
+      for (int64_t j = 0; j < b.n; ++j) {
+        float* pj = part(b.first + j, h, c);
+        std::fill(pj, pj + D, 0.f);
+        if (ends[j] <= from) {  // the row ends before this span
+          pj[D] = -INFINITY, pj[D + 1] = 0.f;
+          continue;
+        }
+        std::tie(pj[D], pj[D + 1]) = exps(scores.data() + j * SPAN, ends[j] - from);
+      }
+      for (int64_t l = from; l < reach; l += 16) {  // values a run of 16 at a time, as the keys
+        const float* run = vh + at.row(s, l) * D;
+        if (l + 16 < reach) prefetch_run(vh + at.row(s, l + 16) * D, D);
+        for (int64_t j = 0; j < b.n; ++j) {
+          float* pj = part(b.first + j, h, c);
+          // Keys two at a time into two sums: one chain of fused multiply-adds waited on the last.
+          __m512 even[NC], odd[NC];
+          for (int cc = 0; cc < NC; ++cc) even[cc] = _mm512_loadu_ps(pj + 16 * cc), odd[cc] = _mm512_setzero_ps();
+          const int64_t stop = std::min(l + 16, ends[j]), own = lengths[b.first + j] - 1;
+          const auto value = [&](int64_t i) { return i == own ? vh + row(j, i) : run + (i - l) * D; };
+          int64_t i = l;
+          for (; i + 2 <= stop; i += 2) {
+            const float *v0 = value(i), *v1 = value(i + 1);
+            const __m512 p0 = _mm512_set1_ps(scores[j * SPAN + (i - from)]);
+            const __m512 p1 = _mm512_set1_ps(scores[j * SPAN + (i + 1 - from)]);
+            for (int cc = 0; cc < NC; ++cc) {
+              even[cc] = _mm512_fmadd_ps(p0, _mm512_loadu_ps(v0 + 16 * cc), even[cc]);
+              odd[cc] = _mm512_fmadd_ps(p1, _mm512_loadu_ps(v1 + 16 * cc), odd[cc]);
+            }
+          }
+          if (i < stop) {
+            const float* v0 = value(i);
+            const __m512 p0 = _mm512_set1_ps(scores[j * SPAN + (i - from)]);
+            for (int cc = 0; cc < NC; ++cc) even[cc] = _mm512_fmadd_ps(p0, _mm512_loadu_ps(v0 + 16 * cc), even[cc]);
+          }
+          for (int cc = 0; cc < NC; ++cc) _mm512_storeu_ps(pj + 16 * cc, _mm512_add_ps(even[cc], odd[cc]));
+        }
+      }
+    }
+  });
+  // Each (row, head) merges its spans, each weighted by e^(its largest score - the row's largest).
+  at::parallel_for(0, R * H, std::max<int64_t>(1, 4096 / (spans * D)), [&](int64_t begin, int64_t end) {
+    for (int64_t rh = begin; rh < end; ++rh) {
+      const float* p0 = part(rh / H, rh % H, 0);
+      float top = -INFINITY, total = 0.f;
+      for (int64_t c = 0; c < spans; ++c) top = std::max(top, p0[c * PART + D]);
+      __m512 acc[NC];
+      for (int cc = 0; cc < NC; ++cc) acc[cc] = _mm512_setzero_ps();
+      for (int64_t c = 0; c < spans; ++c) {
+        const float* pc = p0 + c * PART;
+        if (pc[D + 1] == 0.f) continue;  // a span past the row's end
+        const float w = std::exp(pc[D] - top);
+        total += w * pc[D + 1];
+        for (int cc = 0; cc < NC; ++cc) acc[cc] = _mm512_fmadd_ps(_mm512_set1_ps(w), _mm512_loadu_ps(pc + 16 * cc), acc[cc]);
+      }
+      const __m512 inverse = _mm512_set1_ps(1.f / total);
+      for (int cc = 0; cc < NC; ++cc) _mm512_storeu_ps(out + rh * D + 16 * cc, _mm512_mul_ps(acc[cc], inverse));
     }
   });
 }
