@@ -14,6 +14,7 @@ TG ceiling it allows at batch 1, where every weight is read once per token.
     python -m bench.compare --http [--llama-server PATH] [--dtype f32 int8] [--runs 3] [--tg 128] [--lanes 1]
                             [--temperature 0] [--prompts configs/prompts/open-chat.json] [--main]
                             [--spec-type draft-mtp draft-mtp-ngram] [-md DRAFT [DRAFT ...]] [--spec-draft-width 1 [2 ...]]
+                            [--document /usr/share/common-licenses/GPL-3 --document-tokens 5200]
 
 --http: the servers instead, as a user meets them (bench/served.py): for each dtype, tandem's
 server plain and with the MTP draft (--main: also the main command as it ships, `python -m server
@@ -28,6 +29,9 @@ its tokens over its generating time; the table gives medians over runs, ratios t
 plain twin and to llama.cpp's server, and accepted/drafted tokens. Several drafts (-md A B) are
 served side by side in the same runs, each row named by its path: an A/B of drafts on one host state;
 so are several widths (--spec-draft-width 1 2: chains against trees with one sibling per depth).
+--document: long prompts, each prompt of the file preceded by --document-tokens tokens of the
+document, from a different place for each prompt (so no server finds one in its prompt cache); the
+table then also gives PP, the prompt tokens each server reports over the wait for its first chunk.
 """
 from __future__ import annotations
 
@@ -117,6 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--llama-server", type=Path, default=ANCHOR if ANCHOR.is_file() else None,
                    help="--http: llama.cpp's C++ llama-server binary to compare with (default: %(default)s)")
     p.add_argument("--main", action="store_true", help="--http: also serve the main command as it ships")
+    p.add_argument("--document", type=Path, help="--http: a text file whose tokens precede each prompt (see above)")
+    p.add_argument("--document-tokens", type=int, default=5200, help="--http: how many of the document's tokens")
     args = p.parse_args(argv)
     if args.http:
         return http_main(args)
@@ -185,6 +191,8 @@ def http_main(args: argparse.Namespace) -> int:
     threads = args.threads or torch.get_num_threads()
     tokenizer = Tokenizer.load(files)
     messages = json.loads(args.prompts.read_text())["prompts"]
+    if args.document:
+        messages = with_document(tokenizer, args.document.read_text(), args.document_tokens, messages)
     texts = [tokenizer.apply_chat_template([{"role": "user", "content": m}]) for m in messages]
     ctx = max(len(tokenizer.encode(t)) for t in texts) + args.tg + 1
     drafts = drafts_of(args)
@@ -206,7 +214,9 @@ def http_main(args: argparse.Namespace) -> int:
                         command = [*base, "--spec-type", kind, "-md", draft, *limits, "--spec-draft-width", str(width)]
                         systems.append(served.TandemServer(f"tandem {dtype} + {kind}{tag}", command, threads, logs))
             if args.main:
-                systems.append(served.TandemServer(MAIN_COMMAND, ["-m", args.model], threads, logs))
+                # As it ships, but for a context that holds --document's prompts (its pool is shared).
+                grown = ["-c", str(2 * ctx)] if args.document else []
+                systems.append(served.TandemServer(MAIN_COMMAND, ["-m", args.model, *grown], threads, logs))
             if args.llama_server is not None:
                 systems.append(served.LlamaServer(args.llama_server, files.path, ctx, args.lanes, threads, logs))
             else:
@@ -232,8 +242,10 @@ def http_main(args: argparse.Namespace) -> int:
                     r.tg.append(sample.tg)
                     r.drafted += sample.drafted
                     r.accepted += sample.accepted
-                    print(f"run {i + 1}/{args.runs} {s.name:28s} TG {sample.tg:6.1f} tok/s ({sample.tokens} tokens)",
-                          flush=True)
+                    if sample.prompt_tokens:
+                        r.pp.append(sample.pp)
+                    print(f"run {i + 1}/{args.runs} {s.name:28s} TG {sample.tg:6.1f} tok/s ({sample.tokens} tokens)"
+                          + (f", PP {sample.pp:7.1f} tok/s" if sample.prompt_tokens else ""), flush=True)
         finally:
             for s in systems:
                 s.stop()
@@ -241,19 +253,34 @@ def http_main(args: argparse.Namespace) -> int:
     return 0
 
 
+def with_document(tokenizer, document: str, n: int, messages: list[str]) -> list[str]:
+    """Each message after n tokens of the document, message i's from token 97 * i on (the
+    document repeated where it is shorter): fresh prompts that share no prefix."""
+    ids = tokenizer.encode(document)
+    ids = ids * (1 + (n + 97 * len(messages)) // len(ids))
+    return [f"{tokenizer.decode(ids[97 * i:97 * i + n])}\n\n{m}" for i, m in enumerate(messages)]
+
+
 def served_table(series: list["served.Series"]) -> str:
+    """TG medians, against each system's plain twin and llama.cpp's server; PP where measured."""
     by_name = {r.system: r for r in series}
     llama = by_name.get(served.LlamaServer.NAME) or by_name.get(served.LlamaCppServer.NAME)
     width = max(28, *(len(r.system) for r in series))
     against = "/" + (llama.system.split()[0] if llama else "llama.cpp")
     w = max(10, len(against))
-    lines = [f"{'system':{width}s} {'TG tok/s':>9s} {'/plain':>7s} {against:>{w}s} {'accepted/drafted':>17s}"]
+    pp = any(r.pp for r in series)
+
+    def versus(r, value) -> str:
+        return f"{value(r) / value(llama):{w - 1}.2f}x" if llama and value(llama) else f"{'-':>{w}s}"
+
+    head = f"{'system':{width}s} {'TG tok/s':>9s} {'/plain':>7s} {against:>{w}s} {'accepted/drafted':>17s}"
+    lines = [head + (f" {'PP tok/s':>9s} {against:>{w}s}" if pp else "")]
     for r in series:
         plain = by_name.get(r.system.split(" + ")[0])
         own = f"{r.tg_median / plain.tg_median:6.2f}x" if plain is not r and plain else f"{'':7s}"
-        vs = f"{r.tg_median / llama.tg_median:{w - 1}.2f}x" if llama else f"{'-':>{w}s}"
         rate = f"{r.accepted}/{r.drafted} = {r.accepted / r.drafted:.2f}" if r.drafted else ""
-        lines.append(f"{r.system:{width}s} {r.tg_median:9.1f} {own} {vs} {rate:>17s}")
+        line = f"{r.system:{width}s} {r.tg_median:9.1f} {own} {versus(r, lambda x: x.tg_median)} {rate:>17s}"
+        lines.append(line + (f" {r.pp_median:9.1f} {versus(r, lambda x: x.pp_median)}" if pp else ""))
     return "\n".join(lines)
 
 

@@ -30,16 +30,24 @@ class Sample:
     seconds: float  # first chunk to last, summed over lanes
     drafted: int = 0
     accepted: int = 0
+    prompt_tokens: int = 0  # prompt tokens the server reports it processed (not taken from its cache)
+    prompt_seconds: float = 0.0  # request sent to first chunk, summed over those streams
 
     @property
     def tg(self) -> float:
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def pp(self) -> float:
+        return self.prompt_tokens / self.prompt_seconds if self.prompt_seconds > 0 else 0.0
 
     def add(self, other: "Sample") -> None:
         self.tokens += other.tokens
         self.seconds += other.seconds
         self.drafted += other.drafted
         self.accepted += other.accepted
+        self.prompt_tokens += other.prompt_tokens
+        self.prompt_seconds += other.prompt_seconds
 
 
 @dataclass
@@ -48,10 +56,15 @@ class Series:
     tg: list[float] = field(default_factory=list)  # one per run: TG over all the run's prompts
     drafted: int = 0
     accepted: int = 0
+    pp: list[float] = field(default_factory=list)  # one per run, where the server reports its prompt tokens
 
     @property
     def tg_median(self) -> float:
         return statistics.median(self.tg)
+
+    @property
+    def pp_median(self) -> float:
+        return statistics.median(self.pp) if self.pp else 0.0
 
 
 class TandemServer:
@@ -68,10 +81,10 @@ class TandemServer:
     def body(self, text: str, max_tokens: int, temperature: float, seed: int) -> dict:
         return {"prompt": text, "max_tokens": max_tokens, "temperature": temperature, "seed": seed, "stream": True}
 
-    def count(self, chunks: list[dict]) -> tuple[int, int, int]:
-        """(tokens, drafted, accepted) of one finished stream."""
+    def count(self, chunks: list[dict]) -> tuple[int, int, int, int]:
+        """(tokens, drafted, accepted, prompt tokens processed) of one finished stream."""
         t = chunks[-1].get("timings") or {}
-        return t.get("predicted_n", 0), t.get("draft_n", 0), t.get("draft_n_accepted", 0)
+        return t.get("predicted_n", 0), t.get("draft_n", 0), t.get("draft_n_accepted", 0), t.get("prompt_n", 0)
 
     def stop(self) -> None:
         self.process.terminate()
@@ -103,9 +116,11 @@ class _LlamaCpp:
         return {"prompt": text, "max_tokens": max_tokens, "temperature": temperature, "seed": seed, "stream": True,
                 "repeat_penalty": 1.0, **extra}
 
-    def count(self, chunks: list[dict]) -> tuple[int, int, int]:
-        # One chunk per token, then one with the finish reason and no token.
-        return sum(c["choices"][0].get("finish_reason") is None for c in chunks), 0, 0
+    def count(self, chunks: list[dict]) -> tuple[int, int, int, int]:
+        # One chunk per token, then one with the finish reason and no token, which carries the
+        # C++ server's timings (the Python server's has none).
+        t = chunks[-1].get("timings") or {}
+        return sum(c["choices"][0].get("finish_reason") is None for c in chunks), 0, 0, t.get("prompt_n", 0)
 
     def _check_one_token_per_chunk(self) -> None:
         body = self.body("The capital of France is", 16, 0.0, 0)
@@ -156,10 +171,12 @@ class LlamaCppServer(_LlamaCpp):
                      "--verbose", "False"], log_dir, "llama_cpp.log")
 
 
-def one_stream(server, text: str, max_tokens: int, temperature: float, seed: int) -> tuple[float, float, tuple]:
-    """(arrival of the first chunk, of the last, the server's (tokens, drafted, accepted))."""
+def one_stream(server, text: str, max_tokens: int, temperature: float,
+               seed: int) -> tuple[float, float, float, tuple]:
+    """(sending, arrival of the first chunk, of the last, the server's count())."""
     stamps, chunks = [], []
     with httpx.Client(base_url=server.url, timeout=600) as http:
+        sent = time.perf_counter()
         with http.stream("POST", "/v1/completions", json=server.body(text, max_tokens, temperature, seed)) as r:
             if r.status_code != 200:
                 r.read()
@@ -168,20 +185,24 @@ def one_stream(server, text: str, max_tokens: int, temperature: float, seed: int
                 if chunk.get("choices"):
                     stamps.append(time.perf_counter())
                     chunks.append(chunk)
-    return stamps[0], stamps[-1], server.count(chunks)
+    return sent, stamps[0], stamps[-1], server.count(chunks)
 
 
 def measure(server, texts: list[str], max_tokens: int, temperature: float, lanes: int, seed: int) -> Sample:
     """Each text once, `lanes` streams at a time. A group's TG: its tokens after each stream's first
     (which comes out of the prefill) over the time from the first stream's first chunk to the last
-    stream's last; with one lane, TG at batch 1."""
+    stream's last; with one lane, TG at batch 1. PP: the prompt tokens the servers report over
+    each stream's wait for its first chunk (the prompt's prefill and one decode step)."""
     total = Sample(0, 0.0)
     with ThreadPoolExecutor(lanes) as pool:
         for i in range(0, len(texts), lanes):
             runs = list(pool.map(lambda t: one_stream(server, t, max_tokens, temperature, seed), texts[i:i + lanes]))
-            total.seconds += max(last for _, last, _ in runs) - min(first for first, _, _ in runs)
-            for _, _, (tokens, drafted, accepted) in runs:
+            total.seconds += max(last for _, _, last, _ in runs) - min(first for _, first, _, _ in runs)
+            for sent, first, _, (tokens, drafted, accepted, prompt) in runs:
                 total.tokens += max(tokens - 1, 0)
                 total.drafted += drafted
                 total.accepted += accepted
+                if prompt:
+                    total.prompt_tokens += prompt
+                    total.prompt_seconds += first - sent
     return total

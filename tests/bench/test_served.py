@@ -37,6 +37,7 @@ def test_measure_counts_the_tokens_after_each_streams_first(tandem, lanes):
     assert sample.tokens == sum(_completion_tokens(tandem, t, 12) - 1 for t in TEXTS)
     assert sample.seconds > 0 and sample.tg > 0
     assert (sample.drafted, sample.accepted) == (0, 0)  # no drafter on this server
+    assert sample.prompt_tokens > 0 and sample.prompt_seconds > 0  # the server's prompt_n, over each first wait
 
 
 def test_table_gives_each_drafted_system_against_its_plain_twin_and_llama_server():
@@ -52,6 +53,26 @@ def test_table_gives_each_drafted_system_against_its_plain_twin_and_llama_server
     assert lines[3].split()[5:] == ["120.0", "1.20x", "1.20x", "4/10", "=", "0.40"]
     assert lines[4].split() == ["llama-server", "100.0", "1.00x"]
     assert lines[3].index("120.0") == lines[1].index("100.0")  # the long name widens the column for every row
+
+
+def test_table_gives_pp_against_llama_server_where_measured():
+    rows = [served.Series("tandem int8", [100.0], pp=[600.0, 500.0, 400.0]),
+            served.Series(served.LlamaServer.NAME, [80.0], pp=[250.0])]
+    lines = served_table(rows).splitlines()
+    assert lines[0].split()[-3:] == ["PP", "tok/s", "/llama-server"]
+    assert lines[1].split() == ["tandem", "int8", "100.0", "1.25x", "500.0", "2.00x"]
+
+
+def test_document_prompts_are_long_and_share_no_prefix():
+    from bench.compare import with_document
+    from engine import Tokenizer
+    from engine.files.weights import open_model
+    tokenizer = Tokenizer.load(open_model("default"))
+    document = "The quick brown fox jumps over the lazy dog near the river bank. " * 20  # shorter than asked
+    texts = with_document(tokenizer, document, 600, ["First question?", "Second question?"])
+    assert texts[0].endswith("\n\nFirst question?") and texts[1].endswith("\n\nSecond question?")
+    assert all(590 <= len(tokenizer.encode(t)) <= 610 for t in texts)
+    assert texts[0][:40] != texts[1][:40]
 
 
 def test_without_the_cpp_server_the_python_server_is_the_labelled_fallback():
