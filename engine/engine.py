@@ -45,7 +45,8 @@ class Engine:
         self.weight_formats = parts.weight_formats
         head = self.placement.stage_ranges()[0] if self.remote is not None else None
         self.admission = Admission(config.ctx_per_slot, self.placement.num_layers, head)
-        self.drafting = None if parts.drafter is None else DraftRunner(parts.drafter, config.spec.max_batch, self._fail)
+        self.drafting = None if parts.drafter is None else DraftRunner(parts.drafter, config.spec.max_batch, self._fail,
+                                                                         pacing=config.spec.pacing)
         self.stats = EngineStats()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
@@ -183,6 +184,8 @@ class Engine:
             return
         self.stats.steps += 1
         self.stats.busy_slots += len(plan.rows)
+        drafted = [bool(p.request.draft.tokens) for p in plan.rows]
+        start = time.perf_counter()
         try:
             out = forward(self.model, self.cache, plan.rows, self.config.depth if self.remote is not None else None)
         except PipelineError as e:  # nothing can run any more: fail what is in flight, and what comes
@@ -202,6 +205,11 @@ class Engine:
                 log.exception("request %s failed in its step", p.request.id)
                 self._fail(p.request)
         if self.drafting is not None:
+            # A step's time is a request's own only where it ran alone.
+            seconds = time.perf_counter() - start if len(plan.rows) == 1 else None
+            for p, had in zip(plan.rows, drafted):
+                if p.decodes and p.request.status is Status.RUNNING:
+                    self.drafting.observe(p.request, p.row.start, seconds, had, p.request.num_computed - p.row.start)
             self.drafting.after_step([s for s in spans if s is not None and s.request.status is Status.RUNNING],
                                      [p.request for p in plan.rows if p.request.status is Status.FINISHED])
 

@@ -93,6 +93,9 @@ class SpecConfig:
     # likely tokens with at least p_sibling probability each (engine.sched.request.Draft). 1: a chain.
     width: int = 1
     p_sibling: float = 0.1
+    # Pause a request's drafting while its measured gain at its context is below 1
+    # (engine.spec.pacing). Off: every step drafts, as tests of the verify paths need.
+    pacing: bool = True
 
     def __post_init__(self) -> None:
         if self.runs_mtp and self.draft_model == "default":

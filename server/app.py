@@ -95,7 +95,7 @@ def create_app(state: ServerState, on_load_failure: Callable[[BaseException], No
                             "n_min": spec.n_min if spec else 0, "p_min": spec.p_min if spec else 0.0,
                             "draft_model": spec.draft_model if spec else None,
                             "max_batch": spec.max_batch if spec else 0, "width": spec.width if spec else 1,
-                            "p_sibling": spec.p_sibling if spec else 0.0},
+                            "p_sibling": spec.p_sibling if spec else 0.0, "pacing": spec.pacing if spec else False},
             "chat_template": engine.tokenizer.chat_template or "",
             "compress_ratios": list(engine.model.config.layer_ratios),
             "qsa_budget": engine.model.config.qsa_budget,

@@ -24,7 +24,7 @@ def _spec(f: ServerFlags) -> SpecConfig | None:
         kind, draft = SPEC_TYPES[f.spec_type], f.spec_draft_model
     return SpecConfig(type=kind, draft_model=draft, n_max=f.spec_draft_n_max, n_min=f.spec_draft_n_min,
                       p_min=f.spec_draft_p_min, ngram_n=f.spec_ngram_size_n, max_batch=f.spec_max_batch,
-                      width=f.spec_draft_width, p_sibling=f.spec_draft_p_sibling)
+                      width=f.spec_draft_width, p_sibling=f.spec_draft_p_sibling, pacing=not f.no_spec_pacing)
 
 
 def configs(f: ServerFlags) -> tuple[EngineConfig, ServerSettings]:

@@ -57,6 +57,7 @@ class ServerFlags:
     spec_draft_p_sibling: float = 0.1
     spec_ngram_size_n: int = 3
     spec_max_batch: int = 1
+    no_spec_pacing: bool = False
     spec_draft_device: str = "cpu"
     devices: tuple[str, ...] = ("cpu",)
     layer_split: tuple[int, ...] | None = None  # None: by tensor_split, or as even as the layers go
@@ -167,6 +168,8 @@ _FLAGS = (
     _Flag(("--spec-draft-p-sibling",), "least draft probability a sibling needs", _ranged(float, 0, 1)),
     _Flag(("--spec-max-batch",), "speculate only while at most this many requests decode (0: always); on a CPU "
           "more verify rows cost more than the drafts save", _ranged(int, 0)),
+    _Flag(("--no-spec-pacing",), "draft at every step; by default a request's drafting pauses while its measured "
+          "gain at its context is below 1 (long contexts)", None),
     _Flag(("--spec-ngram-size-n",), "n-gram length ngram-simple and draft-mtp-ngram look up", _ranged(int, 1)),
     _Flag(("-devd", "--device-draft", "--spec-draft-device"),
           "device the whole draft runs on (its layers, head, cache): cpu, cuda or cuda:N", _parsed(parse_device)),

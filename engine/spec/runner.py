@@ -1,13 +1,15 @@
 """DraftRunner: the engine's one call into speculation after each step.
 
 It hands the drafter the spans the target committed, keeps the drafts it returns on their requests,
-and decides when drafting waits: past `max_batch` decoding requests nobody drafts, and a drafter
-with a cache of its own is owed the committed spans until it catches up in one forward.
-Called only from the engine thread.
+and decides when drafting waits: past `max_batch` decoding requests nobody drafts, a request whose
+drafting stopped paying at its context pauses (engine.spec.pacing, from the step times the engine
+reports through `observe`), and a drafter with a cache of its own is owed the committed spans until
+it catches up in one forward. Called only from the engine thread.
 """
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import replace
 from typing import Callable
 
@@ -15,6 +17,7 @@ import torch
 
 from engine.sched.request import Request, Status
 from engine.spec.drafter import Drafter, Span
+from engine.spec.pacing import Pacer
 
 log = logging.getLogger("tandem.engine")
 # At this many owed positions the catch-up runs anyway, which bounds the hidden states kept per request.
@@ -23,18 +26,35 @@ CATCH_UP_CHUNK = 128
 
 class DraftRunner:
     def __init__(self, drafter: Drafter, max_batch: int, fail: Callable[[Request], None],
-                 catch_up_chunk: int = CATCH_UP_CHUNK):
-        """max_batch: SpecConfig's (0: no limit). fail: ends a request whose drafting failed."""
+                 catch_up_chunk: int = CATCH_UP_CHUNK, pacing: bool = True):
+        """max_batch: SpecConfig's (0: no limit). fail: ends a request whose drafting failed.
+        pacing: SpecConfig's (False: no request pauses for its gain)."""
         self.drafter, self.max_batch, self.fail = drafter, max_batch, fail
+        self.pacer = Pacer() if pacing else None
         self.catch_up_chunk = catch_up_chunk
         # Per request, the committed span its drafter has not caught up on yet, and the slot it lies in.
         self._owed: dict[Request, tuple[int, Span]] = {}
+        # Per request, the seconds its current draft took (None: shared with a catch-up or others).
+        self._cost: dict[Request, float | None] = {}
 
     def forget(self, request: Request) -> None:
         """The request ends outside a step (cancelled, failed): whatever it owes is dropped, which
         leaves a gap in the draft's cache under its slot's kept prefix (acceptance, never
         correctness, pays for it)."""
         self._owed.pop(request, None)
+        self._cost.pop(request, None)
+        if self.pacer is not None:
+            self.pacer.forget(request)
+
+    def observe(self, request: Request, context: int, seconds: float | None, drafted: bool, tokens: int) -> None:
+        """A decode step of the request from `context` positions: its forward's seconds (None where
+        it shared the step), whether it verified a draft, and the tokens it committed."""
+        if self.pacer is None:
+            return
+        if drafted and seconds is not None:
+            cost = self._cost.get(request)
+            seconds = None if cost is None else seconds + cost
+        self.pacer.observe(request, context, seconds, drafted, tokens)
 
     def after_step(self, spans: list[Span], finished: list[Request]) -> None:
         """Drafts for the next step, batched; when the batch fails, each request drafts alone so
@@ -47,10 +67,20 @@ class DraftRunner:
             self._owed = {req: owed for req, owed in self._owed.items()
                           if req.status is Status.RUNNING or req in finished}
         ready = [self._owed.pop(req)[1] for req in finished if req in self._owed]
+        for req in finished:
+            self._cost.pop(req, None)
+            if self.pacer is not None:
+                self.pacer.forget(req)
+        alone = len(spans) == 1
+        caught_up = set()  # requests whose draft comes with a catch-up: its time is not a draft's
         for span in spans:
             try:
                 merged = self._with_owed(span)
-                if busy:
+                if merged is not span:
+                    caught_up.add(span.request)
+                paused = self.pacer is not None and not span.request.prefilling and \
+                    not self.pacer.wants_draft(span.request, span.end, alone)
+                if busy or paused:
                     merged.room = 0
                     if self.drafter.has_cache and merged.end - merged.start < self.catch_up_chunk:
                         # A view of this step's hidden states would keep all of them alive.
@@ -63,8 +93,12 @@ class DraftRunner:
                 continue
             ready.append(merged)
         if ready:
-            for req, draft in self._draft(ready).items():
+            start = time.perf_counter()
+            drafts = self._draft(ready)
+            seconds = time.perf_counter() - start if len(ready) == 1 else None
+            for req, draft in drafts.items():
                 req.draft = draft
+                self._cost[req] = None if req in caught_up else seconds
 
     def _draft(self, spans: list[Span]) -> dict:
         try:

@@ -131,3 +131,26 @@ def test_a_failing_draft_fails_its_own_request_and_the_others_still_draft():
     run.after_step([step(a), step(b)], [])
     assert failed == [b]
     assert a.draft.tokens == [7] and b.draft.tokens == []
+
+
+def test_a_request_whose_drafting_loses_pauses_owing_its_spans_then_tries_again_caught_up():
+    # Timed alone, its plain steps take 10 ms and its drafted ones 30 ms for 2 tokens: drafting
+    # loses (gain 0.67), so the drafter sees nothing for a pause, then the paused positions at once.
+    from engine.spec import pacing
+    drafter = RecordingDrafter()
+    run, _ = runner(drafter, max_batch=0)
+    a = decoding("a", 0, 5)
+    drafted_steps = []
+    for _ in range(1 + pacing.LEAST_SAMPLES + pacing.PAUSE + pacing.TRIAL):
+        drafted = bool(a.draft.tokens)
+        drafted_steps.append(drafted)
+        a.draft = Draft()
+        run.observe(a, a.num_computed, 0.030 if drafted else 0.010, drafted, 2 if drafted else 1)
+        run.after_step([step(a, 2 if drafted else 1)], [])
+    # Its first step verified nothing (a plain time); once enough drafted steps say the gain is
+    # below 1, it pauses; then the trial drafts again.
+    assert drafted_steps == [False] + [True] * pacing.LEAST_SAMPLES + [False] * pacing.PAUSE + [True] * pacing.TRIAL
+    assert len(drafter.calls) == pacing.LEAST_SAMPLES + pacing.TRIAL  # none during the pause
+    # The trial's first call: the last drafted step's 2 tokens and the pause's one a step, at once.
+    first_trial = drafter.calls[pacing.LEAST_SAMPLES]
+    assert [(name, end - start) for name, start, end, _, _ in first_trial] == [("a", 2 + pacing.PAUSE)]

@@ -19,7 +19,7 @@ POISON = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, seed=13) 
 @pytest.fixture(scope="module")
 def engines(tiny_model):
     plain = Engine.load(EngineConfig(model=str(tiny_model), ctx_size=512, parallel=2))
-    spec = SpecConfig(type="ngram-simple", n_max=3, p_min=0.0, ngram_n=1)
+    spec = SpecConfig(pacing=False, type="ngram-simple", n_max=3, p_min=0.0, ngram_n=1)
     ngram = Engine.load(EngineConfig(model=str(tiny_model), ctx_size=512, parallel=2, spec=spec))
     return plain, ngram
 

@@ -93,7 +93,7 @@ def test_many_requests_on_a_small_pool_all_finish_with_every_token(tiny_model):
 def test_a_resumed_request_rebuilds_its_drafters_cache(tiny_model):
     """The target drafting for itself accepts every draft, so a drafter whose cache was not rebuilt
     after preemption would show as a rejected draft."""
-    spec = SpecConfig(type="draft-simple", draft_model=str(tiny_model), n_max=3, p_min=0.0)
+    spec = SpecConfig(pacing=False, type="draft-simple", draft_model=str(tiny_model), n_max=3, p_min=0.0)
     unified = Engine.load(EngineConfig(model=str(tiny_model), ctx_size=160, parallel=2, kv_unified=True, spec=spec))
     params = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
     prompts = [[65] * 40, [66] * 40]

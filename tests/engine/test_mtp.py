@@ -119,7 +119,7 @@ def test_the_draft_streams_int8_weights_beside_a_target_computing_in_f32(target,
     from engine.spec.loading import check_draft_files, load_drafter
     config, tensors, fingerprint = target
     save_draft(tmp_path / "draft.safetensors", config, tensors, fingerprint)
-    spec = SpecConfig(type="draft-mtp", draft_model=str(tmp_path / "draft.safetensors"))
+    spec = SpecConfig(pacing=False, type="draft-mtp", draft_model=str(tmp_path / "draft.safetensors"))
     model = Transformer(config, tensors, dtype, max_positions=64)
     drafter = load_drafter(spec, check_draft_files(spec, config), model, tensors, dtype, slots=1, ctx_per_slot=64)
     layer = drafter.model.layers[0]

@@ -51,7 +51,7 @@ PROMPTS = [[(7 * i + j) % 300 + 10 for j in range(30 + 9 * i)] for i in range(2)
 def test_speculative_greedy_with_qsa_equals_plain_greedy_past_the_budget(target, drafter):
     path, dense_draft, qsa_draft = target
     plain = Engine.load(EngineConfig(model=str(path), ctx_size=256, parallel=2, compress_ratios=EVERY4, qsa_budget=8))
-    spec = SpecConfig(type="draft-mtp", draft_model=str(dense_draft if drafter == "dense draft" else qsa_draft),
+    spec = SpecConfig(pacing=False, type="draft-mtp", draft_model=str(dense_draft if drafter == "dense draft" else qsa_draft),
                       n_max=3, p_min=0.0)
     speculative = Engine.load(EngineConfig(model=str(path), ctx_size=256, parallel=2, compress_ratios=EVERY4,
                                            qsa_budget=8, spec=spec))
@@ -93,7 +93,7 @@ def test_pool_inputs_are_built_for_qsa_layers_only_beside_a_dense_draft(target, 
     MTP draft layer, every call is a QSA layer's, and the draft's cache owns no pool."""
     import engine.model.qsa
     path, dense_draft, _ = target
-    spec = SpecConfig(type="draft-mtp", draft_model=str(dense_draft), n_max=3, p_min=0.0)
+    spec = SpecConfig(pacing=False, type="draft-mtp", draft_model=str(dense_draft), n_max=3, p_min=0.0)
     eng = Engine.load(EngineConfig(model=str(path), ctx_size=256, parallel=2, compress_ratios=EVERY4, qsa_budget=8,
                                    spec=spec))
     seen = []

@@ -23,13 +23,13 @@ GREEDY = SamplingParams(temperature=0, max_tokens=80, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def ngram_engine():
-    spec = SpecConfig(type="ngram-simple", n_max=3, p_min=0.0, ngram_n=2)
+    spec = SpecConfig(pacing=False, type="ngram-simple", n_max=3, p_min=0.0, ngram_n=2)
     return Engine.load(EngineConfig(model="default", ctx_size=2 * 1024, parallel=2, spec=spec))
 
 
 @pytest.fixture(scope="module")
 def mtp_engine():
-    spec = SpecConfig(type="draft-mtp", draft_model=str(MTP_DRAFT), n_max=3, p_min=0.0)
+    spec = SpecConfig(pacing=False, type="draft-mtp", draft_model=str(MTP_DRAFT), n_max=3, p_min=0.0)
     return Engine.load(EngineConfig(model="default", ctx_size=2 * 1024, parallel=2, spec=spec))
 
 
@@ -69,7 +69,7 @@ def test_slots_that_draft_trees_of_different_depths_keep_their_own_drafts(plain_
     # p_min 0.5, the server's default: each step some slots stop drafting early (an unsure draft)
     # while others go on, so each depth drafts for a different set of slots. Each depth's token has
     # up to two siblings, so the verify rows are trees: a kept sibling's K/V moves down to its place.
-    spec = SpecConfig(type="draft-mtp", draft_model=str(MTP_DRAFT), n_max=3, p_min=0.5, width=3, p_sibling=0.05)
+    spec = SpecConfig(pacing=False, type="draft-mtp", draft_model=str(MTP_DRAFT), n_max=3, p_min=0.5, width=3, p_sibling=0.05)
     engine = Engine.load(EngineConfig(model="default", ctx_size=3 * 1024, parallel=3, spec=spec))
     prompts = PROMPTS
     together = run_together(engine, [plain_greedy(p)[0] for p in prompts], GREEDY)
@@ -117,7 +117,7 @@ def tiny_dir(tmp_path_factory):
 def test_draft_model_greedy_equals_plain_greedy(tiny_dir):
     # The target drafting for itself: every draft must be accepted, and the output unchanged.
     plain = Engine.load(EngineConfig(model=str(tiny_dir), ctx_size=512))
-    spec = SpecConfig(type="draft-simple", draft_model=str(tiny_dir), n_max=3, p_min=0.0)
+    spec = SpecConfig(pacing=False, type="draft-simple", draft_model=str(tiny_dir), n_max=3, p_min=0.0)
     drafted = Engine.load(EngineConfig(model=str(tiny_dir), ctx_size=512, spec=spec))
     ids = plain.tokenizer.encode("the tide comes in and the tide goes out")
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
@@ -129,9 +129,40 @@ def test_draft_model_greedy_equals_plain_greedy(tiny_dir):
 
 
 def test_sampling_with_a_draft_stays_reproducible_per_seed(tiny_dir):
-    spec = SpecConfig(type="draft-simple", draft_model=str(tiny_dir), n_max=3, p_min=0.0)
+    spec = SpecConfig(pacing=False, type="draft-simple", draft_model=str(tiny_dir), n_max=3, p_min=0.0)
     drafted = Engine.load(EngineConfig(model=str(tiny_dir), ctx_size=512, spec=spec))
     ids = drafted.tokenizer.encode("once upon a time")
     params = SamplingParams(temperature=0.8, seed=5, max_tokens=30, ignore_eos=True)
     runs = [[t for s in drafted.generate(ids, params, cache_prompt=False) for t in s.token_ids] for _ in range(2)]
     assert runs[0] == runs[1] and len(runs[0]) == 30
+
+
+class ScriptedPacer:
+    """A pacer that drafts 3 steps, then pauses 4, whatever the times: drafting stops and resumes
+    mid-answer, the MTP draft catching up on the paused positions when it does."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def observe(self, request, context, seconds, drafted, tokens):
+        pass
+
+    def forget(self, request):
+        pass
+
+    def wants_draft(self, request, context, alone) -> bool:
+        self.calls += 1
+        return self.calls % 7 < 3
+
+
+def test_a_request_whose_drafting_pauses_and_resumes_keeps_plain_greedy(monkeypatch, plain_greedy, reference_logits):
+    monkeypatch.setattr("engine.spec.runner.Pacer", ScriptedPacer)
+    spec = SpecConfig(type="draft-mtp", draft_model=str(MTP_DRAFT), n_max=3, p_min=0.0)  # pacing on, the default
+    engine = Engine.load(EngineConfig(model="default", ctx_size=1024, parallel=1, spec=spec))
+    ids, plain = plain_greedy(PROMPTS[0])
+    steps = list(engine.generate(ids, GREEDY, cache_prompt=False))
+    assert_same_greedy([t for s in steps for t in s.token_ids], plain, ids, reference_logits)
+    request = steps[-1].request
+    # Some steps verified drafts and some did not (an unpaced run drafts at every step).
+    assert 0 < request.draft_n < 3 * len(steps)
+    assert any(len(s.token_ids) == 1 for s in steps[1:])

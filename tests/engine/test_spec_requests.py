@@ -48,7 +48,7 @@ def plain(tiny_model):
 
 
 def spec_of(kind: str, draft, p_min: float) -> SpecConfig:
-    return SpecConfig(type=kind, draft_model=None if kind == "ngram-simple" else str(draft), n_max=3, p_min=p_min,
+    return SpecConfig(pacing=False, type=kind, draft_model=None if kind == "ngram-simple" else str(draft), n_max=3, p_min=p_min,
                       ngram_n=2)
 
 
@@ -93,7 +93,7 @@ def test_n_max_1_drafts_one_token_a_step_and_n_max_0_none(tiny_model, draft, pla
 
 
 def test_request_limits_are_checked_against_the_servers():
-    spec = SpecConfig(type="ngram-simple", n_max=3, n_min=2, p_min=0.5)
+    spec = SpecConfig(pacing=False, type="ngram-simple", n_max=3, n_min=2, p_min=0.5)
     assert spec.request_limits() == DraftLimits(3, 2, 0.5)
     # The server's n_min shrinks to a smaller n_max, as llama-server clamps it; a given one must fit.
     assert spec.request_limits(n_max=1) == DraftLimits(1, 1, 0.5)
@@ -188,7 +188,7 @@ def test_sampled_drafts_keep_the_target_distribution(tiny_model, draft, kind, p_
 @pytest.mark.parametrize("kind", ["ngram-simple", "draft-mtp"])
 def test_past_max_batch_decoding_requests_no_request_drafts_and_output_stays_the_targets(tiny_model, draft, plain,
                                                                                          kind):
-    spec = SpecConfig(type=kind, draft_model=None if kind == "ngram-simple" else str(draft), n_max=3, p_min=0.0,
+    spec = SpecConfig(pacing=False, type=kind, draft_model=None if kind == "ngram-simple" else str(draft), n_max=3, p_min=0.0,
                       ngram_n=2, max_batch=1)
     engine = Engine.load(EngineConfig(model=str(tiny_model), ctx_size=512, parallel=2, spec=spec))
     ids = plain.tokenizer.encode(PROMPT)
@@ -213,7 +213,7 @@ def test_past_max_batch_the_draft_catches_up_later_in_one_forward_and_its_cache_
     owes a chunk of positions); the positions they commit meanwhile are caught up when the one
     left drafts again, when a request owes a chunk, and when the other finishes. Whichever, the
     draft's cache ends as it does for each request served alone."""
-    spec = SpecConfig(type="draft-mtp", draft_model=str(draft), n_max=3, p_min=0.0, max_batch=1)
+    spec = SpecConfig(pacing=False, type="draft-mtp", draft_model=str(draft), n_max=3, p_min=0.0, max_batch=1)
     ids = plain.tokenizer.encode(PROMPT)
     lengths = [GREEDY, dataclasses.replace(GREEDY, max_tokens=12)]
 

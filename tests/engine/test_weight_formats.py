@@ -23,7 +23,7 @@ PROMPTS = ["Write a poem about tides", "List five uses of a paperclip."]
 
 @pytest.fixture(scope="module")
 def auto_engine():
-    spec = SpecConfig(type="draft-mtp", draft_model=str(MTP_DRAFT), n_max=3, p_min=0.0)
+    spec = SpecConfig(pacing=False, type="draft-mtp", draft_model=str(MTP_DRAFT), n_max=3, p_min=0.0)
     return Engine.load(EngineConfig(model="default", dtype="auto", ctx_size=2 * 1024, parallel=2, spec=spec))
 
 

@@ -82,6 +82,7 @@ def test_the_default_model_serves_the_product_speculating_on_four_unified_slots(
     assert engine.spec.max_batch == 1  # drafts only while one request decodes: more rows cost more on a CPU
     assert parse(["-m", "default"])[0] == engine
     assert parse(["--spec-max-batch", "0"])[0].spec.max_batch == 0
+    assert engine.spec.pacing and not parse(["--no-spec-pacing"])[0].spec.pacing  # pauses where drafting loses
     with pytest.raises(FlagError, match="--spec-max-batch"):
         parse_flags(["--spec-max-batch", "-1"])
 

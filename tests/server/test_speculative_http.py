@@ -124,7 +124,7 @@ def test_combined_drafter_with_siblings_keeps_greedy_text_and_reports_its_settin
     with combined.client() as c:
         spec = c.get("/props").json()["speculative"]
         metrics = c.get("/metrics").text
-    assert (spec["type"], spec["width"], spec["p_sibling"]) == ("draft-mtp-ngram", 3, 0.0)
+    assert (spec["type"], spec["width"], spec["p_sibling"], spec["pacing"]) == ("draft-mtp-ngram", 3, 0.0, True)
     assert re.search(r"^tandem:draft_siblings_kept_total \d+$", metrics, re.M)
 
 
