@@ -14,7 +14,8 @@ TG ceiling it allows at batch 1, where every weight is read once per token.
     python -m bench.compare --http [--llama-server PATH] [--dtype f32 int8] [--runs 3] [--tg 128] [--lanes 1]
                             [--temperature 0] [--prompts configs/prompts/open-chat.json] [--main]
                             [--spec-type draft-mtp draft-mtp-ngram] [-md DRAFT [DRAFT ...]] [--spec-draft-width 1 [2 ...]]
-                            [--document /usr/share/common-licenses/GPL-3 --document-tokens 5200]
+                            [--document /usr/share/common-licenses/GPL-3 --document-tokens 5200] [--busy 1]
+                            [--also FLAGS [FLAGS ...]]
 
 --http: the servers instead, as a user meets them (bench/served.py): for each dtype, tandem's
 server plain and with the MTP draft (--main: also the main command as it ships, `python -m server
@@ -32,6 +33,8 @@ so are several widths (--spec-draft-width 1 2: chains against trees with one sib
 --document: long prompts, each prompt of the file preceded by --document-tokens tokens of the
 document, from a different place for each prompt (so no server finds one in its prompt cache); the
 table then also gives PP, the prompt tokens each server reports over the wait for its first chunk.
+--busy N: N processes spinning at nice 19 beside the servers while they are measured. --also FLAGS:
+each drafting tandem server once more with FLAGS added, in the same runs (an A/B of a flag).
 """
 from __future__ import annotations
 
@@ -39,6 +42,7 @@ import argparse
 import importlib.util
 import itertools
 import json
+import shlex
 import statistics
 import sys
 import tempfile
@@ -48,6 +52,7 @@ from pathlib import Path
 import torch
 
 from bench import served
+from bench.processes import BusyLoops
 from bench.formats import TandemSystem, TransformersSystem, add_workload_flags, run, table, tokens_per_second, workload
 from engine import SpecConfig, Tokenizer
 from engine.files.model_config import num_param_bytes
@@ -123,6 +128,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--main", action="store_true", help="--http: also serve the main command as it ships")
     p.add_argument("--document", type=Path, help="--http: a text file whose tokens precede each prompt (see above)")
     p.add_argument("--document-tokens", type=int, default=5200, help="--http: how many of the document's tokens")
+    p.add_argument("--busy", type=int, default=0, help="--http: processes spinning at nice 19 meanwhile")
+    p.add_argument("--also", nargs="+", default=[], metavar="FLAGS",
+                   help="--http: each drafting server again with these flags too (an A/B: --also=--no-spec-pacing)")
     args = p.parse_args(argv)
     if args.http:
         return http_main(args)
@@ -201,6 +209,7 @@ def http_main(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="bench-http-") as tmp:
         logs = Path(tmp)
         systems = []
+        busy = BusyLoops(args.busy)
         try:  # a server process starts when it is made: any failure from here on stops those made
             for dtype in args.dtype:
                 base = ["-m", args.model, "--dtype", dtype, "-c", str(ctx * args.lanes), "-np", str(args.lanes)]
@@ -210,9 +219,11 @@ def http_main(args: argparse.Namespace) -> int:
                     # plain twin is the name before " + ".
                     tag = (f" ({draft})" if len(drafts) > 1 else "") + \
                         (f" w={width}" if len(args.spec_draft_width) > 1 else "")
-                    for kind in args.spec_type:
-                        command = [*base, "--spec-type", kind, "-md", draft, *limits, "--spec-draft-width", str(width)]
-                        systems.append(served.TandemServer(f"tandem {dtype} + {kind}{tag}", command, threads, logs))
+                    for kind, extra in itertools.product(args.spec_type, ["", *args.also]):
+                        command = [*base, "--spec-type", kind, "-md", draft, *limits, "--spec-draft-width", str(width),
+                                   *shlex.split(extra)]
+                        systems.append(served.TandemServer(f"tandem {dtype} + {kind}{tag}{' ' + extra if extra else ''}",
+                                                           command, threads, logs))
             if args.main:
                 # As it ships, but for a context that holds --document's prompts (its pool is shared).
                 grown = ["-c", str(2 * ctx)] if args.document else []
@@ -225,7 +236,8 @@ def http_main(args: argparse.Namespace) -> int:
                 s.start()
             print(f"model {args.model} ({files.path.name}), {len(texts)} prompts from {args.prompts.name}, up to "
                   f"{args.tg} tokens, temperature {args.temperature:g}, {args.lanes} lane(s), {threads} threads, "
-                  f"{args.runs} runs", flush=True)
+                  f"{args.runs} runs" + (f", {args.busy} busy loop(s) beside" if args.busy else ""), flush=True)
+            busy.start()
             for s in systems:  # warm-up
                 served.measure(s, texts[:args.lanes], 8, args.temperature, args.lanes, seed=0)
             series = [served.Series(s.name) for s in systems]
@@ -247,6 +259,7 @@ def http_main(args: argparse.Namespace) -> int:
                     print(f"run {i + 1}/{args.runs} {s.name:28s} TG {sample.tg:6.1f} tok/s ({sample.tokens} tokens)"
                           + (f", PP {sample.pp:7.1f} tok/s" if sample.prompt_tokens else ""), flush=True)
         finally:
+            busy.stop()
             for s in systems:
                 s.stop()
     print("\nmedians:\n" + served_table(series))

@@ -71,6 +71,31 @@ class ServerProcess:
         self.log.close()
 
 
+class BusyLoops:
+    """`with BusyLoops(n):` n processes that spin at nice 19 meanwhile, as a build or another user's
+    job would beside a server: a host that is not the server's alone."""
+
+    def __init__(self, n: int):
+        self.n, self.procs = n, []
+
+    def start(self) -> None:
+        self.procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"], preexec_fn=lambda: os.nice(19))
+                      for _ in range(self.n)]
+
+    def stop(self) -> None:
+        for p in self.procs:
+            p.kill()
+            p.wait(timeout=30)
+        self.procs = []
+
+    def __enter__(self) -> "BusyLoops":
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
 def sse_events(response: httpx.Response):
     """The JSON payloads of an SSE response, up to (not including) `[DONE]`."""
     for line in response.iter_lines():

@@ -2,6 +2,8 @@
 its stream, counted by the server's own token counts; the table's ratios."""
 from __future__ import annotations
 
+import os
+
 import httpx
 import pytest
 
@@ -87,3 +89,14 @@ def test_http_names_a_llama_server_path_that_is_not_there(tmp_path, capsys):
     from bench.compare import main
     assert main(["--http", "--llama-server", str(tmp_path / "nowhere")]) == 2
     assert f"--llama-server {tmp_path / 'nowhere'}: no such file" in capsys.readouterr().out
+
+
+def test_busy_loops_spin_at_nice_19_beside_the_servers_and_stop():
+    from bench.processes import BusyLoops, alive, wait_until
+    with BusyLoops(2) as busy:
+        pids = [p.pid for p in busy.procs]
+        assert [os.getpriority(os.PRIO_PROCESS, pid) for pid in pids] == [19, 19]
+        # utime (clock ticks in user mode), the 14th field of /proc/PID/stat: they spin
+        wait_until(lambda: all(int(open(f"/proc/{pid}/stat").read().split()[13]) > 0 for pid in pids), 10,
+                   "the loops to use the CPU")
+    assert not any(alive(pid) for pid in pids)
