@@ -75,11 +75,17 @@ class BusyLoops:
     """`with BusyLoops(n):` n processes that spin at nice 19 meanwhile, as a build or another user's
     job would beside a server: a host that is not the server's alone."""
 
-    def __init__(self, n: int):
-        self.n, self.procs = n, []
+    def __init__(self, n: int, cpus: set[int] | None = None):
+        """cpus: the CPUs they run on (None: any)."""
+        self.n, self.cpus, self.procs = n, cpus, []
+
+    def _setup(self) -> None:
+        os.nice(19)
+        if self.cpus is not None:
+            os.sched_setaffinity(0, self.cpus)
 
     def start(self) -> None:
-        self.procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"], preexec_fn=lambda: os.nice(19))
+        self.procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"], preexec_fn=self._setup)
                       for _ in range(self.n)]
 
     def stop(self) -> None:

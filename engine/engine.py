@@ -30,6 +30,7 @@ from engine.spec.acceptance import verify
 from engine.spec.drafter import Drafter, Span
 from engine.spec.runner import DraftRunner
 from engine.stats import EngineStats, SlotInfo, slot_infos
+from engine.threads import CoreShare
 
 log = logging.getLogger("tandem.engine")
 
@@ -48,6 +49,8 @@ class Engine:
         self.drafting = None if parts.drafter is None else DraftRunner(parts.drafter, config.spec.max_batch, self._fail,
                                                                          pacing=config.spec.pacing)
         self.stats = EngineStats()
+        self.threads = config.threads or torch.get_num_threads()  # what the engine thread steps with now
+        self.cores = CoreShare(config.threads)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
@@ -139,6 +142,7 @@ class Engine:
 
     def _run(self) -> None:
         while not self._stopping:
+            self._fit_threads()
             self._drain_inbox()
             if not self.scheduler.has_work():
                 self._wake.wait(timeout=0.5)
@@ -150,6 +154,15 @@ class Engine:
             except Exception:  # a bug outside the guarded parts (planning): fail what is in flight
                 log.exception("engine step failed; finishing the running requests with an error")
                 self._fail_all()
+
+    def _fit_threads(self) -> None:
+        """Step with as many threads as the cores other processes leave (engine.threads)."""
+        wanted = self.cores.threads(self.threads)
+        if wanted != self.threads:
+            torch.set_num_threads(wanted)
+            log.info("stepping with %d thread(s), was %d: the cores other processes leave this one", wanted,
+                     self.threads)
+            self.threads = wanted
 
     def _keepalive(self) -> None:
         if self.remote is None:

@@ -19,6 +19,7 @@ from proxy.activity import ACTIVITY_SIZE, Activity
 from proxy.children import ChildRegistry, reap_leftovers
 from proxy.config import ProxyConfig, ProxyConfigError, load_config
 from proxy.controller import Controller
+from proxy.cores import CorePlan
 from proxy.events import Reload
 from proxy.forward import send_error
 from proxy.jobs import JobRequest, JobStatus, JobStore
@@ -102,7 +103,7 @@ async def start_proxy(config: ProxyConfig, overrides: dict | None = None):
     handler.setFormatter(logging.Formatter("%(levelname)s %(message)s"))
     logging.getLogger("tandem.proxy").addHandler(handler)
     supervisor = Supervisor(lambda event: controller.post(event), children, bus, state_dir / "logs",
-                            config.settings.log_tail_lines)
+                            config.settings.log_tail_lines, CorePlan() if config.settings.pin_cpus else None)
     controller = Controller(config, supervisor, store)
     upstream = UpstreamClient()
     proxy = Proxy(config, overrides or {}, db, store, controller, supervisor, bus, ProxyMetrics(), Activity(), upstream)

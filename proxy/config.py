@@ -115,6 +115,9 @@ class ProxySettings(_Strict):
     groups: dict[str, GroupSpec] = Field(default_factory=dict)
     queue_limit: int = Field(default=64, ge=0)
     log_tail_lines: int = Field(default=20, ge=1)
+    # Split the proxy's CPUs among the replicas it runs (proxy/cores.py); a replica whose args say
+    # -C or -Cr keeps those.
+    pin_cpus: bool = True
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ import httpx
 from proxy import events as ev
 from proxy.children import ChildRegistry
 from proxy.config import Profile, flag_value
+from proxy.cores import CorePlan
 from proxy.jobs import Job
 from proxy.logbus import LogBus
 from proxy.process import ServerProcess, exit_reason
@@ -23,6 +24,7 @@ from proxy.router import Lease, Replica
 
 log = logging.getLogger("tandem.proxy")
 HEALTH_POLL_S = 0.1
+CPU_FLAGS = ("-C", "--cpu-mask", "-Cr", "--cpu-range")
 
 
 class LoadError(Exception):
@@ -58,8 +60,10 @@ def check_props(profile: Profile, props: dict) -> list[str]:
 
 class Supervisor:
     def __init__(self, post: Callable[[object], None], children: ChildRegistry, bus: LogBus, log_dir: Path,
-                 tail_lines: int = 20):
+                 tail_lines: int = 20, cores: CorePlan | None = None):
+        """cores: the split of CPUs among the replicas (None: they run wherever the kernel puts them)."""
         self.post, self.children, self.bus, self.log_dir, self.tail_lines = post, children, bus, log_dir, tail_lines
+        self.cores = cores
         self.http = httpx.AsyncClient(timeout=httpx.Timeout(5.0))
         self.processes: dict[int, ServerProcess] = {}  # every live server, by pid
         self.loads: dict[str, asyncio.Task] = {}  # the attempt of each running load, by job id
@@ -146,6 +150,8 @@ class Supervisor:
         self.children.add(proc.pid, profile.name, port)
         log.info("model %s replica %d: started pid %d on port %d: %s", profile.name, index, proc.pid, port,
                  " ".join(argv), extra={"model": profile.name})
+        if self.cores is not None and flag_value([*profile.args, *spec.args], CPU_FLAGS) is None:
+            self.cores.add(proc.pid)
         self._spawn_task(self._watch(profile.name, proc))
         return proc
 
@@ -153,6 +159,8 @@ class Supervisor:
         code = await proc.wait()
         self.processes.pop(proc.pid, None)
         self.children.remove(proc.pid)
+        if self.cores is not None:
+            self.cores.remove(proc.pid)
         log.info("model %s: server pid %d %s", model, proc.pid, exit_reason(code, ""), extra={"model": model})
         self.post(ev.ReplicaExited(model, proc.pid, code, proc.last_error_line()))
 

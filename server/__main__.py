@@ -16,6 +16,7 @@ from sse_starlette.sse import AppStatus
 from engine import TandemError, read_headers
 from engine.pipeline import ranks
 from engine.pipeline.worker import worker_main
+from engine.threads import describe_cpus, pin
 from server.app import create_app
 from server.cli import configs
 from server.flags import FlagError, help_text, parse_flags
@@ -70,6 +71,8 @@ def main(argv: list[str] | None = None) -> int:
             print(help_text())
             return 0
         engine_config, settings = configs(flags)
+        if flags.cpus:
+            run_on(flags.cpus)
         # Model, draft and compression checked from their headers before the server listens, so a
         # bad one exits 2 here instead of failing the load thread later.
         headers = read_headers(engine_config)
@@ -96,6 +99,16 @@ def main(argv: list[str] | None = None) -> int:
         logging.shutdown()
         os._exit(code)
     return code
+
+
+def run_on(cpus: frozenset[int]) -> None:
+    """This process's threads onto `cpus` (-C, -Cr), before the engine starts any; raises FlagError
+    for CPUs the process may not use."""
+    allowed = os.sched_getaffinity(0)
+    if not cpus <= allowed:
+        raise FlagError(f"--cpu-mask/--cpu-range: CPU(s) {describe_cpus(cpus - allowed)} are not among this "
+                        f"process's CPUs {describe_cpus(allowed)}")
+    pin(os.getpid(), cpus)
 
 
 def serve(settings: ServerSettings, runner: EngineRunner) -> int:

@@ -86,6 +86,8 @@ def create_app(state: ServerState, on_load_failure: Callable[[BaseException], No
         return {
             "model_alias": s.model_name, "model_path": str(engine.files.path), "n_ctx": c.ctx_size,
             "total_slots": c.parallel, "kv_unified": c.kv_unified, "dtype": c.dtype,
+            # Threads the engine steps with now: fewer while other processes keep its cores busy.
+            "threads": engine.threads,
             "weight_formats": engine.weight_formats,
             "cache_type_k": c.kv_types[0], "cache_type_v": c.kv_types[1],
             "default_generation_settings": {"n_ctx": c.ctx_per_slot, "params": {

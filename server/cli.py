@@ -35,7 +35,7 @@ def configs(f: ServerFlags) -> tuple[EngineConfig, ServerSettings]:
     engine = EngineConfig(model=f.model, dtype=f.dtype, ctx_size=f.ctx_size, parallel=f.parallel or AUTO_PARALLEL,
                           batch_size=f.batch_size, ubatch_size=f.ubatch_size, cache_type=f.cache_type_k,
                           cache_type_v=f.cache_type_v, kv_unified=f.kv_unified or f.parallel is None,
-                          threads=f.threads, chat_template=f.chat_template, spec=spec, compress_ratios=f.compress_ratios,
+                          threads=f.threads or (len(f.cpus) if f.cpus else None), chat_template=f.chat_template, spec=spec, compress_ratios=f.compress_ratios,
                           qsa_budget=f.qsa_budget, devices=f.devices, layer_split=f.layer_split,
                           tensor_split=f.tensor_split, draft_device=f.spec_draft_device,
                           pipeline_parallel_size=f.pipeline_parallel_size, pipeline_depth=f.pipeline_depth,

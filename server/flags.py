@@ -14,6 +14,7 @@ from typing import Callable, Sequence
 from engine import CompressRatios
 from engine.placement import parse_device, parse_devices, parse_layer_split, parse_proportions
 from engine.settings import DTYPES, KV_CACHE_TYPES, SPEC_NONE, SPEC_TYPES
+from engine.threads import parse_cpu_mask, parse_cpu_range
 from server.logs import LOG_FORMATS, LOG_LEVELS
 
 DEFAULT_BODY_LIMIT = 8 * 2**20
@@ -33,6 +34,8 @@ class ServerFlags:
     batch_size: int = 2048
     ubatch_size: int = 512
     threads: int | None = None
+    cpu_mask: frozenset[int] | None = None  # with cpu_range: the CPUs the process runs on (None: as started)
+    cpu_range: frozenset[int] | None = None
     dtype: str = "auto"  # the file's own formats: the default model's Q4_1 blocks give f32's greedy tokens
     kv_unified: bool = False
     cache_type_k: str | None = None
@@ -68,6 +71,13 @@ class ServerFlags:
     pipeline_depth: int | None = None  # None: one micro-batch per stage
     pipeline_timeout: float = 8.0
     help: bool = False
+
+    @property
+    def cpus(self) -> frozenset[int] | None:
+        """The CPUs -C and -Cr name together, or None when neither is given."""
+        if self.cpu_mask is None and self.cpu_range is None:
+            return None
+        return (self.cpu_mask or frozenset()) | (self.cpu_range or frozenset())
 
 
 class _Broken(Exception):
@@ -133,7 +143,11 @@ _FLAGS = (
           "--kv-unified)", _ranged(int, 1)),
     _Flag(("-b", "--batch-size"), "most tokens one engine step takes", _ranged(int, 1)),
     _Flag(("-ub", "--ubatch-size"), "most prompt tokens one forward takes", _ranged(int, 1)),
-    _Flag(("-t", "--threads"), "torch threads", _ranged(int, 1)),
+    _Flag(("-t", "--threads"), "most torch threads (default: the cores; fewer while other processes keep them "
+          "busy)", _ranged(int, 1)),
+    _Flag(("-C", "--cpu-mask"), "CPUs to run on, a hexadecimal mask (0x3: CPUs 0 and 1); with --cpu-range, both's "
+          "CPUs", _parsed(parse_cpu_mask)),
+    _Flag(("-Cr", "--cpu-range"), "CPUs to run on, lo-hi", _parsed(parse_cpu_range)),
     _Flag(("--dtype",), "weight format (default: auto, each tensor as the file stores it, as llama-server serves "
           "it; f32 for a safetensors file)", _one_of(DTYPES)),
     _Flag(("--kv-unified",), "one KV pool shared by all slots", None),

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import os
 import socket
 import threading
 import time
@@ -11,6 +12,7 @@ import httpx
 import pytest
 
 from bench.processes import alive, wait_until
+from proxy.cores import split
 from tests.proxy.conftest import LONG_STREAM, sse_events, tiny_profile
 
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "Say something."}], "temperature": 0,
@@ -19,8 +21,10 @@ CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "Say something
 
 @pytest.fixture(scope="module")
 def proxy(make_proxy, tiny_model):
+    # twins: two replicas, their threads left to the CPUs the proxy gives them (no -t)
+    twins = {"args": ["-m", str(tiny_model), "-c", "512", "-np", "1"], "replicas": 2, "health_timeout": 90}
     p = make_proxy({"tiny": tiny_profile(tiny_model), "spare": tiny_profile(tiny_model),
-                    "never": tiny_profile(tiny_model)})
+                    "never": tiny_profile(tiny_model), "twins": twins})
     p.load_job = p.job("load", "tiny")
     return p
 
@@ -43,7 +47,7 @@ def test_load_job_succeeds_and_reports_its_duration(proxy):
     [replica] = proxy.replicas("tiny")
     assert replica["state"] == "ready" and replica["slots_total"] == 2 and alive(replica["pid"])
     models = {m["id"]: m["status"]["value"] for m in proxy.client.get("/v1/models").json()["data"]}
-    assert models == {"tiny": "ready", "spare": "unloaded", "never": "unloaded"}
+    assert models == {"tiny": "ready", "spare": "unloaded", "never": "unloaded", "twins": "unloaded"}
 
 
 def test_streaming_chat_through_the_proxy_equals_the_servers_own_answer(proxy):
@@ -180,3 +184,21 @@ def test_unload_during_a_long_stream_lets_it_finish_then_the_server_is_gone(prox
     done = proxy.wait_job(unload["id"], 30)
     assert done["status"] == "succeeded" and done["finished_at"] >= stream_ended - 0.5
     assert not alive(replica["pid"]) and proxy.replicas("spare") == []
+
+
+def test_replicas_run_on_cpus_of_their_own_each_with_a_thread_per_cpu(proxy):
+    # The proxy's CPUs split among the replicas in the order they started (proxy/cores.py): with
+    # tiny already running, the twins take the next shares; each server steps with a thread per CPU
+    # of its share, and when the twins go, tiny has every CPU again.
+    cpus = sorted(os.sched_getaffinity(0))
+    assert proxy.job("load", "twins")["status"] == "succeeded"
+    try:
+        pids = [proxy.replicas("tiny")[0]["pid"], *(r["pid"] for r in proxy.replicas("twins"))]
+        assert [os.sched_getaffinity(pid) for pid in pids] == [set(c) for c in split(cpus, 3)]
+        for r in proxy.replicas("twins"):
+            share = os.sched_getaffinity(r["pid"])
+            props = lambda: httpx.get(f"http://127.0.0.1:{r['port']}/props", timeout=10).json()  # noqa: E731
+            wait_until(lambda: props()["threads"] == len(share), 20, f"a thread per CPU of {share}")
+    finally:
+        assert proxy.job("unload", "twins")["status"] == "succeeded"
+    wait_until(lambda: os.sched_getaffinity(pids[0]) == set(cpus), 10, "tiny to have every CPU again")
