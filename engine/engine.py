@@ -142,13 +142,14 @@ class Engine:
 
     def _run(self) -> None:
         while not self._stopping:
-            self._fit_threads()
             self._drain_inbox()
             if not self.scheduler.has_work():
+                self.cores.rest()
                 self._wake.wait(timeout=0.5)
                 self._wake.clear()
                 self._keepalive()
                 continue
+            self._fit_threads()
             try:
                 self.step()
             except Exception:  # a bug outside the guarded parts (planning): fail what is in flight
@@ -197,7 +198,7 @@ class Engine:
             return
         self.stats.steps += 1
         self.stats.busy_slots += len(plan.rows)
-        drafted = [bool(p.request.draft.tokens) for p in plan.rows]
+        drafted = [bool(p.request.draft.tokens) for p in plan.rows] if self.drafting is not None else []
         start = time.perf_counter()
         try:
             out = forward(self.model, self.cache, plan.rows, self.config.depth if self.remote is not None else None)

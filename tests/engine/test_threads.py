@@ -1,5 +1,6 @@
 """CoreShare (engine/threads.py): the engine steps with the cores that other processes leave it,
-within 1 .. its most, changing only when two looks agree; the CPU flags' parsing; pinning."""
+within 1 .. its most, giving a thread up when two looks agree and taking it back at the first;
+idle spells are not looked at; the CPU flags' parsing; pinning."""
 from __future__ import annotations
 
 import os
@@ -40,7 +41,20 @@ def test_a_busy_neighbour_takes_a_thread_after_two_looks_and_gives_it_back(host)
     share = CoreShare(most=2)
     assert looks(share, host, 2, others=0.0, own=2.0, times=3) == [2, 2, 2]  # alone: all its cores
     assert looks(share, host, 2, others=1.0, own=1.0, times=3) == [2, 1, 1]  # one look is not enough; two agree
-    assert looks(share, host, 1, others=0.0, own=1.0, times=3) == [1, 2, 2]
+    assert looks(share, host, 1, others=0.0, own=1.0, times=3) == [2, 2, 2]  # back at the first look
+
+
+def test_idle_spells_are_not_looked_at_and_keep_the_count(host):
+    share = CoreShare(most=2)
+    assert looks(share, host, 2, others=1.0, own=1.0, times=3)[-1] == 1
+    share.rest()  # idle while the neighbour goes on, or another server takes its turn: no look
+    host["now"] += 10
+    assert looks(share, host, 1, others=1.0, own=1.0, times=2) == [1, 1]  # met with one thread at once
+
+
+def test_a_light_neighbour_leaves_the_threads_in_place(host):
+    # A client streaming from the same host: half a core, in bursts.
+    assert looks(CoreShare(most=2), host, 2, others=0.6, own=1.4, times=4) == [2, 2, 2, 2]
 
 
 def test_never_below_one_thread_nor_above_its_most(host):
