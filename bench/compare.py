@@ -31,8 +31,9 @@ plain twin and to llama.cpp's server, and accepted/drafted tokens. Several draft
 served side by side in the same runs, each row named by its path: an A/B of drafts on one host state;
 so are several widths (--spec-draft-width 1 2: chains against trees with one sibling per depth).
 --document: long prompts, each prompt of the file preceded by --document-tokens tokens of the
-document, from a different place for each prompt (so no server finds one in its prompt cache); the
-table then also gives PP, the prompt tokens each server reports over the wait for its first chunk.
+document, from a different place for each prompt and run (so no server finds one in its prompt
+cache); the table then also gives PP, the prompt tokens each server reports over the wait for its
+first chunk.
 --busy N: N processes spinning at nice 19 beside the servers while they are measured. --also FLAGS:
 each drafting tandem server once more with FLAGS added, in the same runs (an A/B of a flag).
 """
@@ -199,10 +200,16 @@ def http_main(args: argparse.Namespace) -> int:
     threads = args.threads or torch.get_num_threads()
     tokenizer = Tokenizer.load(files)
     messages = json.loads(args.prompts.read_text())["prompts"]
-    if args.document:
-        messages = with_document(tokenizer, args.document.read_text(), args.document_tokens, messages)
-    texts = [tokenizer.apply_chat_template([{"role": "user", "content": m}]) for m in messages]
-    ctx = max(len(tokenizer.encode(t)) for t in texts) + args.tg + 1
+
+    def texts_of(run: int) -> list[str]:
+        """Run `run`'s prompts, chat-templated (the warm-up's: run -1); with --document, each run's
+        from new places in it, so that no server finds a prompt of an earlier run cached."""
+        asked = messages if not args.document else \
+            with_document(tokenizer, document, args.document_tokens, messages, (run + 1) * len(messages))
+        return [tokenizer.apply_chat_template([{"role": "user", "content": m}]) for m in asked]
+    document = args.document.read_text() if args.document else ""
+    runs = [texts_of(i) for i in range(-1, args.runs)]
+    ctx = max(len(tokenizer.encode(t)) for run in runs for t in run) + args.tg + 1
     drafts = drafts_of(args)
     limits = ["--spec-draft-n-max", str(args.spec_draft_n_max), "--spec-draft-p-min", str(args.spec_draft_p_min),
               "--spec-draft-p-sibling", str(args.spec_draft_p_sibling)]
@@ -220,10 +227,10 @@ def http_main(args: argparse.Namespace) -> int:
                     tag = (f" ({draft})" if len(drafts) > 1 else "") + \
                         (f" w={width}" if len(args.spec_draft_width) > 1 else "")
                     for kind, extra in itertools.product(args.spec_type, ["", *args.also]):
-                        command = [*base, "--spec-type", kind, "-md", draft, *limits, "--spec-draft-width", str(width),
-                                   *shlex.split(extra)]
-                        systems.append(served.TandemServer(f"tandem {dtype} + {kind}{tag}{' ' + extra if extra else ''}",
-                                                           command, threads, logs))
+                        command = [*base, "--spec-type", kind, "-md", draft, *limits,
+                                   "--spec-draft-width", str(width), *shlex.split(extra)]
+                        name = f"tandem {dtype} + {kind}{tag}" + (f" {extra}" if extra else "")
+                        systems.append(served.TandemServer(name, command, threads, logs))
             if args.main:
                 # As it ships, but for a context that holds --document's prompts (its pool is shared).
                 grown = ["-c", str(2 * ctx)] if args.document else []
@@ -234,21 +241,21 @@ def http_main(args: argparse.Namespace) -> int:
                 systems.append(served.LlamaCppServer(files.path, ctx, args.lanes, threads, logs))
             for s in systems:
                 s.start()
-            print(f"model {args.model} ({files.path.name}), {len(texts)} prompts from {args.prompts.name}, up to "
+            print(f"model {args.model} ({files.path.name}), {len(messages)} prompts from {args.prompts.name}, up to "
                   f"{args.tg} tokens, temperature {args.temperature:g}, {args.lanes} lane(s), {threads} threads, "
                   f"{args.runs} runs" + (f", {args.busy} busy loop(s) beside" if args.busy else ""), flush=True)
             busy.start()
             for s in systems:  # warm-up
-                served.measure(s, texts[:args.lanes], 8, args.temperature, args.lanes, seed=0)
+                served.measure(s, runs[0][:args.lanes], 8, args.temperature, args.lanes, seed=0)
             series = [served.Series(s.name) for s in systems]
             for i in range(args.runs):
                 samples = [served.Sample(0, 0.0) for _ in systems]
                 # Prompt by prompt (a lane's worth at a time), every system in turn, each group
                 # starting one system later: a slow spell of the host falls on all of them alike.
-                for g, start in enumerate(range(0, len(texts), args.lanes)):
+                for g, start in enumerate(range(0, len(messages), args.lanes)):
                     for k in range(len(systems)):
                         j = (g + k) % len(systems)
-                        samples[j].add(served.measure(systems[j], texts[start:start + args.lanes], args.tg,
+                        samples[j].add(served.measure(systems[j], runs[i + 1][start:start + args.lanes], args.tg,
                                                       args.temperature, args.lanes, seed=i))
                 for s, r, sample in zip(systems, series, samples):
                     r.tg.append(sample.tg)
@@ -266,12 +273,12 @@ def http_main(args: argparse.Namespace) -> int:
     return 0
 
 
-def with_document(tokenizer, document: str, n: int, messages: list[str]) -> list[str]:
-    """Each message after n tokens of the document, message i's from token 97 * i on (the
+def with_document(tokenizer, document: str, n: int, messages: list[str], first: int = 0) -> list[str]:
+    """Each message after n tokens of the document, message i's from token 97 * (first + i) on (the
     document repeated where it is shorter): fresh prompts that share no prefix."""
     ids = tokenizer.encode(document)
-    ids = ids * (1 + (n + 97 * len(messages)) // len(ids))
-    return [f"{tokenizer.decode(ids[97 * i:97 * i + n])}\n\n{m}" for i, m in enumerate(messages)]
+    ids = ids * (1 + (n + 97 * (first + len(messages))) // len(ids))
+    return [f"{tokenizer.decode(ids[97 * k:97 * k + n])}\n\n{m}" for k, m in enumerate(messages, first)]
 
 
 def served_table(series: list["served.Series"]) -> str:

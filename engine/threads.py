@@ -7,9 +7,9 @@ even at nice 19 when the kernel groups processes by session), one of the threads
 at most barriers, and a region that takes microseconds waits out a scheduler time slice: int8 TG
 fell from 75.9 to 1.2 tok/s. With one thread fewer there is no one to wait for. So the thread count
 follows the cores of the process's affinity (which the proxy may change while it runs) less those
-others kept busy over the last interval, within 1 .. `most` (the server's -t, if given). The kernels' results do not depend on
-the thread count (each output element is one thread's), nor do torch's matrix products here, so
-the tokens stay the same.
+others kept busy over the last interval, within 1 .. `most` (the server's -t, if given). The
+kernels' results do not depend on the thread count (each output element is one thread's), nor do
+torch's matrix products here, so the tokens stay the same.
 """
 from __future__ import annotations
 

@@ -88,7 +88,8 @@ def noisy(drafted_seconds: float, steps: int = 2000) -> tuple[float, float]:
     for i in range(steps // 64):
         for _ in range(64):
             d = pacer.wants_draft(i, 300, alone=True)
-            t, k = (drafted_seconds if d else 0.0055) * rng.uniform(0.9, 1.1), rng.choice([1, 1, 2, 2, 3, 4]) if d else 1
+            t = (drafted_seconds if d else 0.0055) * rng.uniform(0.9, 1.1)
+            k = rng.choice([1, 1, 2, 2, 3, 4]) if d else 1
             pacer.observe(i, 300, t, d, k)
             decisions.append(d)
             tokens, seconds = tokens + k, seconds + t

@@ -77,8 +77,9 @@ def test_cpu_flags_read_as_llama_server_reads_them():
 
 def test_pin_moves_every_thread_of_a_process():
     cpu = min(os.sched_getaffinity(0))
-    code = "import threading, time\n[threading.Thread(target=time.sleep, args=(30,), daemon=True).start() for _ in range(3)]\n" \
-           "print('up', flush=True)\ntime.sleep(30)"
+    code = ("import threading, time\n"
+            "[threading.Thread(target=time.sleep, args=(30,), daemon=True).start() for _ in range(3)]\n"
+            "print('up', flush=True)\ntime.sleep(30)")
     child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     try:
         assert child.stdout.readline().strip() == "up"
