@@ -280,7 +280,10 @@ def test_metrics_count_processing_and_deferred_and_answer_while_generating(serve
         t.start()
     try:
         deadline = time.monotonic() + 20
-        while "tandem:requests_deferred 1\n" not in (text := client.get("/metrics").text):
+        # Both gauges in one snapshot: between a stream's end and the waiting one's admission,
+        # one slot is busy while the third request still waits.
+        while not {"tandem:requests_deferred 1\n", "tandem:requests_processing 2\n"} <= \
+                set((text := client.get("/metrics").text).splitlines(keepends=True)):
             assert time.monotonic() < deadline, text
         t0 = time.monotonic()
         assert client.get("/health").status_code == 200 and client.get("/slots").status_code == 200
