@@ -14,6 +14,7 @@ import httpx
 import yaml
 
 from engine.pipeline.ports import free_port
+from engine.threads import stat_fields
 
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -117,11 +118,8 @@ def sse_events(response: httpx.Response):
 
 def alive(pid: int) -> bool:
     """Running, not a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
+    fields = stat_fields(pid)
+    return fields is not None and fields[0] != "Z"
 
 
 def pids_with(text: str) -> list[int]:
@@ -142,12 +140,8 @@ def descendants(pid: int) -> list[int]:
     """The processes started by `pid`, and by them, and so on."""
     parents: dict[int, int] = {}
     for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    parents[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                pass
+        if entry.isdigit() and (fields := stat_fields(entry)) is not None:
+            parents[int(entry)] = int(fields[1])
     found, frontier = [], [pid]
     while frontier:
         kids = [p for p, pp in parents.items() if pp in frontier]

@@ -30,6 +30,7 @@ from pathlib import Path
 import httpx
 
 from bench.processes import ProxyProcess
+from engine.threads import cpu_ticks
 
 SEED = 1234
 
@@ -52,13 +53,6 @@ def one(url: str, prompt: str, tokens: int) -> dict:
     ttft_ms = (stamps[0] - t0) * 1000
     return {"ttft_ms": ttft_ms, "overhead_ms": ttft_ms - timings["prompt_ms"],
             "tg": (n - 1) / (stamps[-1] - stamps[0]), "chunks": n, "server_tg": timings["predicted_per_second"]}
-
-
-def cpu_of(pid: int) -> int:
-    """utime + stime of a process, in clock ticks."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return int(fields[11]) + int(fields[12])
 
 
 def main() -> int:
@@ -91,14 +85,14 @@ def main() -> int:
         for lane in lanes.values():  # warm-up: connections, caches, first-call compilation
             one(lane, prompt(), 8)
         rows = {name: [] for name in lanes}
-        cpu_ticks = 0
+        proxy_ticks = 0
         for run in range(a.runs):
             order = ["direct", "proxy"] if run % 2 == 0 else ["proxy", "direct"]
             for name in order:
-                before = cpu_of(proxy.proc.pid)
+                before = cpu_ticks(proxy.proc.pid)
                 rows[name].append(one(lanes[name], prompt(), a.tokens))
                 if name == "proxy":
-                    cpu_ticks += cpu_of(proxy.proc.pid) - before
+                    proxy_ticks += cpu_ticks(proxy.proc.pid) - before
                 r = rows[name][-1]
                 print(f"run {run:2d} {name:6s} ttft {r['ttft_ms']:8.2f} ms  overhead {r['overhead_ms']:6.2f} ms  "
                       f"TG {r['tg']:7.2f} tok/s", flush=True)
@@ -116,7 +110,7 @@ def main() -> int:
         print(f"TG through proxy / direct: median of paired ratios {ratio:.4f}, "
               f"ratio of medians {med['proxy']['tg'] / med['direct']['tg']:.4f}")
         tokens = sum(r["chunks"] for r in rows["proxy"])
-        ms = cpu_ticks * 1000 / os.sysconf("SC_CLK_TCK")
+        ms = proxy_ticks * 1000 / os.sysconf("SC_CLK_TCK")
         print(f"proxy CPU: {ms / a.runs:.2f} ms per request, {ms * 1000 / tokens:.0f} us per relayed token")
         return 0
     finally:

@@ -42,10 +42,20 @@ def _busy_ticks(cpus: set[int]) -> int | None:
     return total
 
 
-def _own_ticks() -> int:
-    """Ticks this process's threads have run, user and system."""
-    fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
-    return int(fields[11]) + int(fields[12])  # utime and stime, fields 14 and 15 of the line
+def stat_fields(pid: int | str) -> list[str] | None:
+    """The fields of /proc/PID/stat after the command name (which may hold spaces and parentheses):
+    fields[0] is the state, fields[i] field i + 3 of the line. None when the process is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def cpu_ticks(pid: int | str) -> int | None:
+    """Ticks a process's threads have run, user and system (utime and stime); None when it is gone."""
+    fields = stat_fields(pid)
+    return None if fields is None else int(fields[11]) + int(fields[12])
 
 
 class CoreShare:
@@ -71,7 +81,7 @@ class CoreShare:
         if self._last is not None and now - self._last[0] < INTERVAL:
             return current
         cpus = os.sched_getaffinity(0)
-        busy, own = _busy_ticks(cpus), _own_ticks()
+        busy, own = _busy_ticks(cpus), cpu_ticks("self")
         last, self._last = self._last, (now, busy, own)
         if busy is None or last is None:
             return current

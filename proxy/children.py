@@ -17,6 +17,8 @@ import sys
 import time
 from dataclasses import dataclass
 
+from engine.threads import stat_fields
+
 log = logging.getLogger("tandem.proxy")
 
 PR_SET_PDEATHSIG = 1
@@ -42,12 +44,8 @@ def die_with_parent():
 
 def start_ticks(pid: int) -> int | None:
     """The process's start time in clock ticks since boot, or None if it is gone (or a zombie)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()  # the command name may hold spaces
-    except (OSError, IndexError):
-        return None
-    return None if fields[0] == "Z" else int(fields[19])
+    fields = stat_fields(pid)
+    return None if fields is None or fields[0] == "Z" else int(fields[19])
 
 
 def cmdline(pid: int) -> list[str] | None:

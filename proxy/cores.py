@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import os
 
-from engine.threads import describe_cpus, pin
+from engine.threads import describe_cpus, pin, stat_fields
 
 log = logging.getLogger("tandem.proxy")
 
@@ -36,13 +36,8 @@ def group_pids(pgid: int) -> list[int]:
     """The processes of process group pgid (a server started in its own session leads one)."""
     found = []
     for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    if int(f.read().rsplit(")", 1)[1].split()[2]) == pgid:
-                        found.append(int(entry))
-            except (OSError, IndexError, ValueError):
-                pass
+        if entry.isdigit() and (fields := stat_fields(entry)) is not None and int(fields[2]) == pgid:
+            found.append(int(entry))
     return found
 
 

@@ -18,7 +18,7 @@ def host(monkeypatch):
     """A host of two CPUs whose busy ticks and this process's ticks the test sets."""
     ticks = {"busy": 0, "own": 0}
     monkeypatch.setattr(threads, "_busy_ticks", lambda cpus: ticks["busy"])
-    monkeypatch.setattr(threads, "_own_ticks", lambda: ticks["own"])
+    monkeypatch.setattr(threads, "cpu_ticks", lambda pid: ticks["own"])
     monkeypatch.setattr(threads.os, "sched_getaffinity", lambda pid: {0, 1})
     monkeypatch.setattr(threads, "_TICKS", 100)
     return ticks

@@ -15,6 +15,7 @@ import httpx
 import pytest
 
 from bench.processes import ServerProcess, alive, descendants, free_port, wait_until
+from engine.threads import stat_fields
 from tests.engine.test_qsa_engine import write_llama8_with_drafts
 from tests.server.helpers import ROOT, sse_events
 
@@ -107,11 +108,10 @@ def workers_of(server) -> list[int]:
     """The head's worker processes: its children running the server (not, say, a compiler the CPU
     kernels' build check starts)."""
     def is_worker(pid: int) -> bool:
+        fields = stat_fields(pid)
         try:
-            with open(f"/proc/{pid}/stat") as f:
-                parent = int(f.read().rsplit(")", 1)[1].split()[1])
             with open(f"/proc/{pid}/cmdline", "rb") as f:
-                return parent == server.proc.pid and b"-m\0server\0" in f.read()
+                return fields is not None and int(fields[1]) == server.proc.pid and b"-m\0server\0" in f.read()
         except OSError:
             return False
     return [pid for pid in descendants(server.proc.pid) if is_worker(pid)]
