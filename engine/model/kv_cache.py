@@ -77,10 +77,19 @@ class KernelView(NamedTuple):
     v: torch.Tensor
     kpool: torch.Tensor | None  # a QSA layer's pooled keys, [S or 1, kv_heads, positions // ratio, head_dim] f32
     pages: torch.Tensor | None  # a unified pool's page table, [slots, pages] int64 (None: slot-major)
+    k_scale: torch.Tensor | None = None  # a q8_0 layer's scales, [..., head_dim // block] f16 (k, v: its int8)
+    v_scale: torch.Tensor | None = None
 
 
-def _float_stores(k, v, dtype: torch.dtype) -> bool:
-    return isinstance(k, torch.Tensor) and k.dtype == dtype and v.dtype == dtype
+def _kernel_view(k, v, kpool, pages, dtype: torch.dtype, lead: tuple) -> KernelView | None:
+    """K and V as the kernels read them, `lead` indexing each tensor (a pool's: a slot axis of 1):
+    floats of `dtype`, or q8_0 on both with f32 rows; None otherwise."""
+    kpool = None if kpool is None else kpool[lead]
+    if isinstance(k, Q8Storage) and isinstance(v, Q8Storage) and dtype == torch.float32:
+        return KernelView(k.q[lead], v.q[lead], kpool, pages, k.scale[lead], v.scale[lead])
+    if isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor) and k.dtype == dtype and v.dtype == dtype:
+        return KernelView(k[lead], v[lead], kpool, pages)
+    return None
 
 
 def _copy(store, dst, src) -> None:
@@ -198,10 +207,9 @@ class KVCache(_Stores):
         return self.kpool[layer][slot, :, :blocks]
 
     def kernel_view(self, layer: int, dtype: torch.dtype) -> KernelView | None:
-        """The layer's storage when K and V hold floats of `dtype` (the kernels then read it in
-        place); None when they do not (q8_0, another dtype)."""
-        k, v = self.k[layer], self.v[layer]
-        return KernelView(k, v, self.kpool[layer], None) if _float_stores(k, v, dtype) else None
+        """The layer's storage when K and V hold floats of `dtype` or both q8_0 for f32 rows (the
+        kernels then read it in place); None when they do not."""
+        return _kernel_view(self.k[layer], self.v[layer], self.kpool[layer], None, dtype, (...,))
 
     def write_tokens(self, layer: int, slots: torch.Tensor, positions: torch.Tensor, k: torch.Tensor,
                      v: torch.Tensor) -> None:
@@ -349,11 +357,8 @@ class PagedKVCache(_Stores):
 
     def kernel_view(self, layer: int, dtype: torch.dtype) -> KernelView | None:
         """The pool as one slot of the kernels' layout, read through the page table, when K and V
-        hold floats of `dtype`; None when they do not."""
-        k, v, kpool = self.k[layer], self.v[layer], self.kpool[layer]
-        if not _float_stores(k, v, dtype):
-            return None
-        return KernelView(k[None], v[None], None if kpool is None else kpool[None], self.page_table)
+        hold floats of `dtype` or both q8_0 for f32 rows; None when they do not."""
+        return _kernel_view(self.k[layer], self.v[layer], self.kpool[layer], self.page_table, dtype, (None,))
 
     def write_tokens(self, layer: int, slots: torch.Tensor, positions: torch.Tensor, k: torch.Tensor,
                      v: torch.Tensor) -> None:

@@ -88,8 +88,7 @@ class Attention(nn.Module):
         q, k, v = qk[:, :heads], qk[:, heads:], qkv[:, heads + self.kv_heads:]
         out = torch.empty_like(q)
         # Rows of one token of a dense layer go through one kernel call when the cache holds floats
-        # of q's dtype; the others (prompt chunks, verify rows, q8_0 caches, QSA layers) attend row
-        # by row.
+        # of q's dtype or q8_0; the others (prompt chunks, verify rows, QSA layers) attend row by row.
         store = cache.kernel_view(layer, q.dtype) if kernels.usable(q) and len(batch.decode_index) \
             and not self.spec.is_qsa else None
         if store is not None:
@@ -98,7 +97,7 @@ class Attention(nn.Module):
                 i = slice(None)
             cache.write_tokens(layer, slots, positions, k[i], v[i])
             out[i] = kernels.decode_attention(q[i], store.k, store.v, slots, positions + 1, self.head_dim ** -0.5,
-                                              pages=store.pages)
+                                              pages=store.pages, k_scale=store.k_scale, v_scale=store.v_scale)
         cache_dtype = cache.k[layer].dtype
         offset = 0
         for row, mask in zip(batch.rows, batch.masks):
@@ -191,7 +190,7 @@ def _linear(layer: Linear) -> list[torch.Tensor | None]:
 def fused_layers(layers: list[DecoderLayer], x: torch.Tensor, batch: ForwardBatch, cos: torch.Tensor,
                  sin: torch.Tensor, cache: KVCache) -> torch.Tensor | None:
     """The layers over x [N, hidden] in one kernel call, when the step is a few tokens (at most the
-    linear kernel's row limit) on a cache of the compute dtype (slot-major or paged); None when it is not, or
+    linear kernel's row limit) on a cache of the compute dtype or q8_0 (slot-major or paged); None when it is not, or
     when a layer has hooks (`python -m train` watches one) or a row probes (its chosen layers hand
     q to the probe): those run module by module. QSA layers take the call too, with their specs
     and the cache's pooled keys. cos, sin: [N, head_dim]."""
@@ -201,12 +200,13 @@ def fused_layers(layers: list[DecoderLayer], x: torch.Tensor, batch: ForwardBatc
             or any(layer._forward_pre_hooks or layer._forward_hooks for layer in layers):
         return None
     views = [cache.kernel_view(layer.index, x.dtype) for layer in layers]
-    if any(view is None for view in views):  # q8_0, or another dtype than x's
+    if any(view is None for view in views):  # another dtype than x's, or K and V in different formats
         return None
     a = first.self_attn
     weights = [w for layer in layers for w in layer.kernel_weights]
     specs = [layer.self_attn.spec for layer in layers]
     return kernels.decoder_layers(x, weights, [view.k for view in views], [view.v for view in views],
+                                  [view.k_scale for view in views], [view.v_scale for view in views],
                                   [view.kpool for view in views], [spec.ratio for spec in specs],
                                   [spec.budget for spec in specs], batch.slots, batch.positions, cos, sin,
                                   a.heads, a.kv_heads, first.input_layernorm.eps, batch.rope_positions,

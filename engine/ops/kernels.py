@@ -104,29 +104,41 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
                      lengths: torch.Tensor, scale: float, last: torch.Tensor | None = None,
-                     pages: torch.Tensor | None = None) -> torch.Tensor:
+                     pages: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
+                     v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """One query per row and head, q [R, H, D], against the first lengths[r] positions of slot
     slots[r] of a cache layer k, v [S, KVH, C, D] -> [R, H, D]. last: where each row's own key
     lies when not at lengths[r]-1 (a tree node's scratch position); the row then attends to
     positions 0 .. lengths[r]-2 and last[r], as it would if it stood at lengths[r]-1.
     pages: a unified pool's page table [slots, pages] int64, k and v then [1, KVH, P, D] with
-    slot s's position l at row pages[s][l // page] * page + l % page (page = P // pages)."""
-    return _ops().decode_attention(q, k, v, slots, lengths, scale, last, pages)
+    slot s's position l at row pages[s][l // page] * page + l % page (page = P // pages).
+    k_scale, v_scale: a q8_0 layer's f16 scales (engine/model/kv_cache.py Q8Storage), k and v then its
+    int8 values and q f32."""
+    return _ops().decode_attention(q, k, v, slots, lengths, scale, last, pages, k_scale, v_scale)
+
+
+def quantize_q8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """f32 rows [..., D] -> (int8 [..., D], f16 scales [..., D // block]) as decoder_layers writes a
+    q8_0 cache; equal to Q8Storage's own quantization."""
+    return _ops().quantize_q8(x)
 
 
 def decoder_layers(x: torch.Tensor, weights: list[torch.Tensor | None], k_cache: list[torch.Tensor],
-                   v_cache: list[torch.Tensor], kpools: list[torch.Tensor | None], ratios: list[int],
+                   v_cache: list[torch.Tensor], k_scales: list[torch.Tensor | None],
+                   v_scales: list[torch.Tensor | None], kpools: list[torch.Tensor | None], ratios: list[int],
                    budgets: list[int], slots: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
                    sin: torch.Tensor, heads: int, kv_heads: int, eps: float,
                    rope_positions: torch.Tensor | None = None, pages: torch.Tensor | None = None) -> torch.Tensor:
     """Decoder layers over x [N, hidden], each token a row at positions[n] of slot slots[n]: it
     writes its K/V there and attends causally to its slot. weights: each layer's kernel_weights,
-    concatenated; k_cache, v_cache: each layer's [S, KVH, C, D]; cos, sin [N, D]. Per layer, its
+    concatenated; k_cache, v_cache: each layer's [S, KVH, C, D], and k_scales, v_scales its q8_0
+    scales where it holds q8_0 (None where floats); cos, sin [N, D]. Per layer, its
     LayerSpec's ratio and budget (0 and 0 for a dense layer) and, for a QSA layer, its pooled keys
     [S, KVH, C // ratio, D] f32 (None for a dense one), which the rows' completed blocks update.
     rope_positions: a tree's verify rows (dense layers only): token n, written at positions[n],
     attends to 0 .. rope_positions[n]-1 and then itself (engine/model/batch.py tree_mask).
     pages: a unified pool's page table, as decode_attention takes it, each layer's cache then one
     pool [1, KVH, P, D] (and its pooled keys [1, KVH, P // ratio, D])."""
-    return _ops().decoder_layers(x, weights, k_cache, v_cache, kpools, ratios, budgets, slots, positions, cos, sin,
+    return _ops().decoder_layers(x, weights, k_cache, v_cache, k_scales, v_scales, kpools, ratios, budgets, slots,
+                                 positions, cos, sin,
                                  heads, kv_heads, eps, rope_positions, pages)

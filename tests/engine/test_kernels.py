@@ -11,7 +11,7 @@ from engine.cli.tiny import write_tiny_model
 from engine.files.weights import open_model
 from engine.model import rope, transformer
 from engine.model.batch import ForwardBatch, Row
-from engine.model.kv_cache import KVCache, PagedKVCache
+from engine.model.kv_cache import KV_DTYPES, KVCache, PagedKVCache, Q8Storage
 from engine.model.transformer import Transformer
 from engine.ops import blocks, kernels, quant
 from engine.ops.arena import move_to_huge_pages
@@ -189,6 +189,55 @@ def test_a_long_verify_block_read_through_a_page_table_attends_as_the_slot_major
     assert torch.equal(paged, kernels.decode_attention(q, slot_k, slot_v, slots, lengths, 0.125))
 
 
+@pytest.mark.parametrize("d", [64, 80, 16])  # blocks of 32; 80 and 16: one block a row
+def test_the_kernels_write_q8_0_as_the_cache_does(d):
+    x = torch.randn(40, 3, d) * torch.logspace(-3, 2, 40)[:, None, None]
+    x[0, 1] = 0  # a zero block keeps a zero scale
+    store = Q8Storage((40, 3, d))
+    store[:] = x
+    values, scales = kernels.quantize_q8(x)
+    assert torch.equal(values, store.q) and torch.equal(scales, store.scale)
+
+
+@pytest.mark.parametrize("d", [64, 160, 48])  # 48: a head size without the fast path (read as f32 copies)
+def test_a_q8_0_cache_attends_as_its_f32_reading_read_as_stored(d):
+    # Decode rows, a verify block across two spans and a tree node (`last`), slot-major and paged:
+    # the q8_0 layer read in place gives what its dequantized f32 copy gives, and a verify row the
+    # bits of the decode row it stands for.
+    torch.manual_seed(8)
+    k, v = Q8Storage((2, 3, 1024, d)), Q8Storage((2, 3, 1024, d))
+    k[:], v[:] = torch.randn(2, 3, 1024, d), torch.randn(2, 3, 1024, d)
+    q = torch.randn(7, 9, d)
+    slots, lengths = torch.tensor([0, 1, 1, 1, 1, 0, 1]), torch.tensor([1, 509, 510, 511, 512, 300, 40])
+    last = torch.tensor([0, 508, 509, 510, 511, 299, 700])  # the last row: a node at scratch position 700
+    scales = dict(k_scale=k.scale, v_scale=v.scale)
+    out = kernels.decode_attention(q, k.q, v.q, slots, lengths, d ** -0.5, last, **scales)
+    floats = kernels.decode_attention(q, k[:].contiguous(), v[:].contiguous(), slots, lengths, d ** -0.5, last)
+    torch.testing.assert_close(out, floats, rtol=0, atol=1e-5)
+    for r in range(len(q)):
+        alone = kernels.decode_attention(q[r:r + 1], k.q, v.q, slots[r:r + 1], lengths[r:r + 1], d ** -0.5,
+                                         last[r:r + 1], **scales)
+        assert torch.equal(out[r], alone[0]), r
+    page, order = 16, torch.randperm(128).view(2, 64)  # the two slots' 64 pages each, shuffled through one pool
+    pages = torch.cat([order, torch.zeros(2, 64, dtype=torch.long)], 1)  # a column per page of the pool
+    pool_k, pool_v = Q8Storage((1, 3, 128 * page, d)), Q8Storage((1, 3, 128 * page, d))
+    for pool, store in ((pool_k, k), (pool_v, v)):
+        rows = (order[:, :, None] * page + torch.arange(page)).flatten(1)  # [slot, position] -> pool row
+        for slot in range(2):
+            pool.q[0][:, rows[slot]], pool.scale[0][:, rows[slot]] = store.q[slot], store.scale[slot]
+    paged = kernels.decode_attention(q, pool_k.q, pool_v.q, slots, lengths, d ** -0.5, last, pages,
+                                     pool_k.scale, pool_v.scale)
+    assert torch.equal(paged, out)
+
+
+def test_decode_attention_names_a_q8_0_layer_of_the_wrong_shape():
+    values = torch.zeros(1, 1, 8, 64, dtype=torch.int8)
+    with pytest.raises(RuntimeError, match=r"f16 scales \[\.\.\., 2\]"):
+        kernels.decode_attention(torch.zeros(1, 1, 64), values, values, torch.tensor([0]), torch.tensor([3]), 0.5,
+                                 k_scale=torch.zeros(1, 1, 8, 1, dtype=torch.half),
+                                 v_scale=torch.zeros(1, 1, 8, 1, dtype=torch.half))
+
+
 def test_decode_attention_names_a_page_outside_the_pool():
     pool = torch.zeros(1, 1, 64, 4)  # 4 pages of 16
     with pytest.raises(RuntimeError, match="slot 0's page 1 is 9, outside a pool of 4 pages"):
@@ -235,34 +284,38 @@ def test_model_gives_the_same_logits_without_the_kernels(tmp_path, monkeypatch, 
     torch.testing.assert_close(with_kernels, logits(), rtol=0, atol=1e-4)
 
 
-LAYER_CASES = [(family, dtype, False) for family in ["llama", "qwen2", "qwen3", "hd160"]
+LAYER_CASES = [(family, dtype, False, None) for family in ["llama", "qwen2", "qwen3", "hd160"]
                for dtype in ["f32", "bf16", "int8", "q4_0", "q4_1", "q8_0"]]
 # The unified pool (the main command's cache) with slots' pages interleaved.
-LAYER_CASES += [("llama", "f32", True), ("qwen3", "q4_1", True), ("hd160", "int8", True), ("qwen2", "bf16", True)]
+LAYER_CASES += [("llama", "f32", True, None), ("qwen3", "q4_1", True, None), ("hd160", "int8", True, None),
+                ("qwen2", "bf16", True, None)]
+# A q8_0 cache (-ctk/-ctv q8_0), slot-major and unified; hd160's heads hold 5 blocks of 32.
+LAYER_CASES += [("llama", "f32", False, "q8_0"), ("hd160", "int8", False, "q8_0"), ("qwen3", "q4_1", True, "q8_0")]
 
 
-@pytest.mark.parametrize("family, dtype, paged", LAYER_CASES)
-def test_whole_layer_kernel_equals_the_layer_by_layer_path(tmp_path, monkeypatch, family, dtype, paged):
+@pytest.mark.parametrize("family, dtype, paged, cache_type", LAYER_CASES)
+def test_whole_layer_kernel_equals_the_layer_by_layer_path(tmp_path, monkeypatch, family, dtype, paged, cache_type):
     # A step of three slots: a 3-token verify block, a plain decode token, a 2-token prompt chunk,
     # after prompts of different lengths. Each of its tokens attends causally within its own slot.
+    # A q8_0 cache is written by the kernel as Q8Storage writes it and read as stored.
     path = write_tiny_model(tiny_config(family), tmp_path / "m", seed=5)
     files = open_model(str(path))
     c = files.config
     prompts = [list(range(3, 30)), list(range(20, 25)), list(range(30, 38))]
-    step = [Row(0, 27, [40, 41, 42]), Row(1, 5, [43]), Row(2, 8, [44, 45])]
+    step_rows = [Row(0, 27, [40, 41, 42]), Row(1, 5, [43]), Row(2, 8, [44, 45])]
 
     @torch.inference_mode()
     def run(dtype: str) -> tuple[torch.Tensor, KVCache]:
         model = Transformer(c, files.load_tensors(), dtype, max_positions=64)
         layout = PagedKVCache if paged else KVCache
         cache = layout(c.num_layers, 3, 3 * 64 if paged else 64, c.num_kv_heads, c.head_dim,
-                       dtype=quant.compute_dtype(dtype))
+                       dtype=KV_DTYPES[cache_type] if cache_type else quant.compute_dtype(dtype))
         for length in (16, 64):  # slot 0's second page comes after the others' first
             for slot, prompt in enumerate(prompts):
                 assert cache.ensure(slot, min(length, len(prompt) + 3))
         for slot, prompt in enumerate(prompts):
             model(ForwardBatch.build([Row(slot, 0, prompt)]), cache)
-        return model.logits(model(ForwardBatch.build(step), cache)), cache
+        return model.logits(model(ForwardBatch.build(step_rows), cache)), cache
 
     calls = []
     fused = kernels.decoder_layers
@@ -279,12 +332,21 @@ def test_whole_layer_kernel_equals_the_layer_by_layer_path(tmp_path, monkeypatch
         error = (with_kernel - reference).abs().max()
         assert error <= 1.5 * (layer_by_layer - reference).abs().max()
         return
-    torch.testing.assert_close(with_kernel, layer_by_layer, rtol=0, atol=1e-4)
+    # A q8_0 cache rounds each key to a step of its block's scale: where the kernel's key differs
+    # from the module's in its last f32 bit, one int8 value may round the other way.
+    step = 0.0 if not cache_type else max(store.scale.float().max().item() for store in cache.k + cache.v)
+    torch.testing.assert_close(with_kernel, layer_by_layer, rtol=0, atol=1e-3 if cache_type else 1e-4)
     for layer in range(c.num_layers):  # and it wrote the same keys and values where the step wrote
-        for slot, row in enumerate(step):
+        for slot, row in enumerate(step_rows):
             end = row.start + len(row.tokens)
             for written, reference in zip(cache.read(layer, slot, end), reference_cache.read(layer, slot, end)):
-                torch.testing.assert_close(written, reference, rtol=0, atol=1e-4)
+                torch.testing.assert_close(written, reference, rtol=0, atol=1e-4 + 1.01 * step)
+    if cache_type:  # as stored: the same int8 values and f16 scales but for a rare rounding
+        for store, reference in zip(cache.k + cache.v, reference_cache.k + reference_cache.v):
+            moved = (store.q.int() - reference.q.int()).abs()
+            assert moved.max() <= 1 and (moved > 0).float().mean() < 0.001
+            torch.testing.assert_close(store.scale, reference.scale, rtol=1e-3, atol=0)  # an f16 ulp
+            assert (store.scale != reference.scale).float().mean() < 0.01
 
 
 def tiny_llama(tmp_path, ctx: int) -> tuple[Transformer, KVCache]:

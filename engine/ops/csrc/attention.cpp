@@ -9,7 +9,8 @@
 // through a page table (tandem::Layout); row r reads slot slots[r], positions 0 .. lengths[r]-2
 // and then its own, last[r] (lengths[r]-1 unless given). A tree's verify row
 // stands at a scratch position past its siblings' yet attends as the chain node it would be:
-// its ancestors' prefix, then itself. Scores and the softmax in f32.
+// its ancestors' prefix, then itself. Scores and the softmax in f32. A q8_0 cache (int8 k and v with
+// their f16 scales, tandem::check_q8) is read as stored, each block scaled as it is used.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -38,9 +39,6 @@ inline void prefetch_row(const T* p, int64_t D) {
   const char* c = reinterpret_cast<const char*>(p);
   for (int64_t b = 0; b < D * static_cast<int64_t>(sizeof(T)); b += 64) __builtin_prefetch(c + b);
 }
-
-// The 16 rows of D from p: one run of 16 keys or values.
-inline void prefetch_run(const float* p, int64_t D) { prefetch_row(p, 16 * D); }
 
 using tandem::Layout;
 
@@ -154,6 +152,47 @@ inline __m512 partial_dot(const float* q, const float* key) {
   return d;
 }
 
+// How a work item reads one kv head's keys or values as f32 rows of D, `row` counting rows from the
+// head's first (a slot's position, or a pool row). F32Rows hands out the cache's own rows; Q8Rows
+// (int8 values and one f16 scale per block of B values, B = 32 or the whole row; engine/model/
+// kv_cache.py Q8Storage) dequantizes them into the caller's buffer, once for every query that reads
+// them.
+template <int NC>
+struct F32Rows {
+  static constexpr int64_t D = 16 * NC;
+  static constexpr bool copies = false;
+  const float* p;
+
+  // Rows row .. row+n-1 (n <= 16, one run in either layout).
+  const float* run(int64_t row, int64_t, float*) const { return p + row * D; }
+  void prefetch_run(int64_t row) const { prefetch_row(p + row * D, 16 * D); }
+};
+
+template <int NC>
+struct Q8Rows {
+  static constexpr int64_t D = 16 * NC;
+  static constexpr bool copies = true;
+  const int8_t* p;
+  const uint16_t* scales;  // [rows, per_row] f16
+  int64_t per_row;          // D / B
+
+  const float* run(int64_t row, int64_t n, float* into) const {
+    for (int64_t i = 0; i < n; ++i) {
+      const int8_t* x = p + (row + i) * D;
+      const uint16_t* s = scales + (row + i) * per_row;
+      for (int c = 0; c < NC; ++c) {
+        const __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x + 16 * c))));
+        _mm512_storeu_ps(into + i * D + 16 * c, _mm512_mul_ps(v, _mm512_set1_ps(_cvtsh_ss(s[c * per_row / NC]))));
+      }
+    }
+    return into;
+  }
+  void prefetch_run(int64_t row) const {
+    prefetch_row(p + row * D, 16 * D);
+    prefetch_row(scales + row * per_row, 16 * per_row);
+  }
+};
+
 // Keys a work item reads: positions [SPAN * c, SPAN * (c + 1)) of a row's, span c. A row longer than
 // a span is split (as flash-decoding splits it), its spans' partial results merged by their
 // largest scores: at 5,200 keys a decode row's 9 heads gave two threads 9 items, one idle a ninth
@@ -169,19 +208,22 @@ struct Block {
   int64_t first, n;
 };
 
-// attend() for f32 caches and head_dim = 16 * NC. A work item is one block of rows, one query head
-// and one span of keys: it scores its rows' keys in that span 16 at a time (one run of rows in
-// either layout) and leaves each row's partial result (the largest score, the sum of exponentials,
-// the values weighted by them) for the merge. Before, each row streamed every key from memory on its
-// own, and a verify block of 4 rows at 5,200 keys cost 2.1x a decode row. A row's result depends only
-// on its own query, length and last position, as in attend(), so a verify row equals the decode row
-// it stands for, whatever rows share its block.
-template <int NC>
-void attend_f32(const float* q, const float* k, const float* v, float* out, const int64_t* slots,
-                const int64_t* lengths, const int64_t* last, int64_t R, int64_t H, int64_t KVH, const Layout& at,
-                int64_t kv_head_stride, float scale) {
+// attend() for f32 queries and head_dim = 16 * NC, on f32 or q8_0 caches: head(slot, kv head) gives
+// that head's keys and values as F32Rows or Q8Rows. A work item is one block of rows, one span of
+// keys and one query head, or for q8_0 all the query heads of one kv head (its keys are dequantized
+// once for all of them): it scores its queries' keys in that span 16 at a time (one run of rows in
+// either layout) and leaves each (row, head)'s partial result (the largest score, the sum of
+// exponentials, the values weighted by them) for the merge. Before, each row streamed every key
+// from memory on its own, and a verify block of 4 rows at 5,200 keys cost 2.1x a decode row. A
+// row's result depends only on its own query, length and last position, as in attend(), so a verify
+// row equals the decode row it stands for, whatever rows share its block.
+template <int NC, typename Head>
+void attend_runs(const float* q, Head&& head, float* out, const int64_t* slots, const int64_t* lengths,
+                 const int64_t* last, int64_t R, int64_t H, int64_t KVH, const Layout& at, float scale) {
+  using Rows = std::decay_t<decltype(head(0, 0).first)>;
   constexpr int64_t D = 16 * NC, PART = D + 2;  // a partial result: D weighted values, largest, sum
   const int64_t group = H / KVH, max_len = *std::max_element(lengths, lengths + R);
+  const int64_t heads = Rows::copies ? group : 1, head_items = H / heads;  // query heads an item takes
   const int64_t spans = (max_len + SPAN - 1) / SPAN;
   std::vector<Block> blocks;
   for (int64_t r = 0; r < R; ++r) {
@@ -191,78 +233,77 @@ void attend_f32(const float* q, const float* k, const float* v, float* out, cons
   }
   std::vector<float> parts(R * H * spans * PART);  // [R, H, spans, PART]
   const auto part = [&](int64_t r, int64_t h, int64_t c) { return parts.data() + ((r * H + h) * spans + c) * PART; };
-  const int64_t items = static_cast<int64_t>(blocks.size()) * H * spans;
-  const int64_t grain = std::max<int64_t>(1, 65536 / (std::min(max_len, SPAN) * D));
+  const int64_t items = static_cast<int64_t>(blocks.size()) * head_items * spans;
+  const int64_t grain = std::max<int64_t>(1, 65536 / (std::min(max_len, SPAN) * D * heads));
   at::parallel_for(0, items, grain, [&](int64_t begin, int64_t end) {
-    alignas(64) float qs[BLOCK_ROWS][D];
-    std::vector<float> scores(BLOCK_ROWS * SPAN);  // [row of the block, key of the span]
+    // Query i of an item: row i / heads of its block, head h0 + i % heads.
+    std::vector<float> qs(BLOCK_ROWS * heads * D), scores(BLOCK_ROWS * heads * SPAN);
+    alignas(64) float keys[16 * D], values[16 * D], own[D];  // Q8Rows' dequantized rows
     for (int64_t item = begin; item < end; ++item) {
-      const Block& b = blocks[item / (H * spans)];
-      const int64_t c = item / H % spans, h = item % H, s = slots[b.first], from = c * SPAN;
-      const float* kh = k + at.slot_offset(s) + h / group * kv_head_stride;
-      const float* vh = v + at.slot_offset(s) + h / group * kv_head_stride;
+      const Block& b = blocks[item / (head_items * spans)];
+      const int64_t c = item / head_items % spans, h0 = item % head_items * heads, s = slots[b.first];
+      const int64_t from = c * SPAN, n = b.n * heads;
+      const auto [kh, vh] = head(s, h0 / group);
       // Row j of the block reads keys from .. ends[j]-1 here; its last key, lengths-1, at last[].
       int64_t ends[BLOCK_ROWS], reach = from;
       for (int64_t j = 0; j < b.n; ++j) {
         ends[j] = std::min(lengths[b.first + j], from + SPAN);
         reach = std::max(reach, ends[j]);
-        for (int64_t i = 0; i < D; ++i) qs[j][i] = q[((b.first + j) * H + h) * D + i] * scale;
       }
-      // Where row j's key l lies, as an offset from the head's first row.
-      const auto row = [&](int64_t j, int64_t l) {
+      for (int64_t i = 0; i < n; ++i)
+        for (int64_t d = 0; d < D; ++d) qs[i * D + d] = q[((b.first + i / heads) * H + h0 + i % heads) * D + d] * scale;
+      // Row j's own key or value when it is not in the run (a tree node's, at its scratch position).
+      const auto moved = [&](int64_t j, int64_t l, const Rows& rows, const float* run) {
         const int64_t r = b.first + j;
-        return at.row(s, l == lengths[r] - 1 ? last[r] : l) * D;
+        if (l != lengths[r] - 1 || last[r] == l) return run + (l - l / 16 * 16) * D;
+        return rows.run(at.row(s, last[r]), 1, own);
       };
       for (int64_t l = from; l < reach; l += 16) {
-        const float* run = kh + at.row(s, l) * D;
-        if (l + 16 < reach) prefetch_run(kh + at.row(s, l + 16) * D, D);
-        for (int64_t j = 0; j < b.n; ++j) {
-          float* sj = scores.data() + j * SPAN + (l - from);
+        const float* run = kh.run(at.row(s, l), std::min<int64_t>(16, reach - l), keys);
+        if (l + 16 < reach) kh.prefetch_run(at.row(s, l + 16));
+        for (int64_t i = 0; i < n; ++i) {
+          const int64_t j = i / heads;
+          float* si = scores.data() + i * SPAN + (l - from);
+          const float* qi = qs.data() + i * D;
           if (l + 16 <= ends[j]) {
             __m512 dots[16];
-            for (int i = 0; i < 16; ++i)
-              dots[i] = partial_dot<NC>(qs[j], l + i == lengths[b.first + j] - 1 ? kh + row(j, l + i) : run + i * D);
-            _mm512_storeu_ps(sj, sums16(dots));
+            for (int k = 0; k < 16; ++k) dots[k] = partial_dot<NC>(qi, moved(j, l + k, kh, run));
+            _mm512_storeu_ps(si, sums16(dots));
           } else {
-            for (int64_t i = l; i < ends[j]; ++i) sj[i - l] = _mm512_reduce_add_ps(partial_dot<NC>(qs[j], kh + row(j, i)));
+            for (int64_t k = l; k < ends[j]; ++k) si[k - l] = _mm512_reduce_add_ps(partial_dot<NC>(qi, moved(j, k, kh, run)));
           }
         }
       }
-      for (int64_t j = 0; j < b.n; ++j) {
-        float* pj = part(b.first + j, h, c);
-        std::fill(pj, pj + D, 0.f);
+      for (int64_t i = 0; i < n; ++i) {
+        const int64_t j = i / heads;
+        float* pi = part(b.first + j, h0 + i % heads, c);
+        std::fill(pi, pi + D, 0.f);
         if (ends[j] <= from) {  // the row ends before this span
-          pj[D] = -INFINITY, pj[D + 1] = 0.f;
+          pi[D] = -INFINITY, pi[D + 1] = 0.f;
           continue;
         }
-        std::tie(pj[D], pj[D + 1]) = exps(scores.data() + j * SPAN, ends[j] - from);
+        std::tie(pi[D], pi[D + 1]) = exps(scores.data() + i * SPAN, ends[j] - from);
       }
       for (int64_t l = from; l < reach; l += 16) {  // values a run of 16 at a time, as the keys
-        const float* run = vh + at.row(s, l) * D;
-        if (l + 16 < reach) prefetch_run(vh + at.row(s, l + 16) * D, D);
-        for (int64_t j = 0; j < b.n; ++j) {
-          float* pj = part(b.first + j, h, c);
+        const float* run = vh.run(at.row(s, l), std::min<int64_t>(16, reach - l), values);
+        if (l + 16 < reach) vh.prefetch_run(at.row(s, l + 16));
+        for (int64_t i = 0; i < n; ++i) {
+          const int64_t j = i / heads;
+          float* pi = part(b.first + j, h0 + i % heads, c);
           // Keys two at a time into two sums: one chain of fused multiply-adds waited on the last.
           __m512 even[NC], odd[NC];
-          for (int cc = 0; cc < NC; ++cc) even[cc] = _mm512_loadu_ps(pj + 16 * cc), odd[cc] = _mm512_setzero_ps();
-          const int64_t stop = std::min(l + 16, ends[j]), own = lengths[b.first + j] - 1;
-          const auto value = [&](int64_t i) { return i == own ? vh + row(j, i) : run + (i - l) * D; };
-          int64_t i = l;
-          for (; i + 2 <= stop; i += 2) {
-            const float *v0 = value(i), *v1 = value(i + 1);
-            const __m512 p0 = _mm512_set1_ps(scores[j * SPAN + (i - from)]);
-            const __m512 p1 = _mm512_set1_ps(scores[j * SPAN + (i + 1 - from)]);
-            for (int cc = 0; cc < NC; ++cc) {
-              even[cc] = _mm512_fmadd_ps(p0, _mm512_loadu_ps(v0 + 16 * cc), even[cc]);
-              odd[cc] = _mm512_fmadd_ps(p1, _mm512_loadu_ps(v1 + 16 * cc), odd[cc]);
-            }
-          }
-          if (i < stop) {
-            const float* v0 = value(i);
-            const __m512 p0 = _mm512_set1_ps(scores[j * SPAN + (i - from)]);
-            for (int cc = 0; cc < NC; ++cc) even[cc] = _mm512_fmadd_ps(p0, _mm512_loadu_ps(v0 + 16 * cc), even[cc]);
-          }
-          for (int cc = 0; cc < NC; ++cc) _mm512_storeu_ps(pj + 16 * cc, _mm512_add_ps(even[cc], odd[cc]));
+          for (int cc = 0; cc < NC; ++cc) even[cc] = _mm512_loadu_ps(pi + 16 * cc), odd[cc] = _mm512_setzero_ps();
+          const int64_t stop = std::min(l + 16, ends[j]);
+          const float* weights = scores.data() + i * SPAN - from;
+          const auto add = [&](__m512(&acc)[NC], int64_t k) {
+            const float* v = moved(j, k, vh, run);
+            const __m512 w = _mm512_set1_ps(weights[k]);
+            for (int cc = 0; cc < NC; ++cc) acc[cc] = _mm512_fmadd_ps(w, _mm512_loadu_ps(v + 16 * cc), acc[cc]);
+          };
+          int64_t k = l;
+          for (; k + 2 <= stop; k += 2) add(even, k), add(odd, k + 1);
+          if (k < stop) add(even, k);
+          for (int cc = 0; cc < NC; ++cc) _mm512_storeu_ps(pi + 16 * cc, _mm512_add_ps(even[cc], odd[cc]));
         }
       }
     }
@@ -288,7 +329,7 @@ void attend_f32(const float* q, const float* k, const float* v, float* out, cons
   });
 }
 
-// The head dims the f32 path is compiled for; others take attend().
+// The head dims attend_runs is compiled for; others take attend().
 template <typename F>
 bool with_chunks(int64_t D, F&& f) {
   switch (D) {
@@ -347,13 +388,22 @@ void check_rows(const c10::optional<at::Tensor>& pages, int64_t s, int64_t lengt
 
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& slots,
                             const at::Tensor& lengths, double scale, const c10::optional<at::Tensor>& last,
-                            const c10::optional<at::Tensor>& pages) {
+                            const c10::optional<at::Tensor>& pages, const c10::optional<at::Tensor>& k_scale,
+                            const c10::optional<at::Tensor>& v_scale) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 4 && v.sizes() == k.sizes() && q.size(2) == k.size(3),
               "decode_attention: q [R, H, D], k and v [S, KVH, C, D] expected, got ", q.sizes(), ", ", k.sizes(),
               ", ", v.sizes());
   TORCH_CHECK(k.is_contiguous() && v.is_contiguous(), "decode_attention: k and v must be whole, contiguous caches");
-  TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(),
-              "decode_attention: q, k and v in one dtype");
+  const bool q8 = k_scale.has_value();
+  TORCH_CHECK(v_scale.has_value() == q8, "decode_attention: a q8_0 cache gives both K's and V's scales");
+  if (q8) {
+    check_q8(k, *k_scale, "decode_attention");
+    check_q8(v, *v_scale, "decode_attention");
+    TORCH_CHECK(q.scalar_type() == at::kFloat, "decode_attention: q8_0 caches take f32 queries, got ", q.scalar_type());
+  } else {
+    TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(),
+                "decode_attention: q, k and v in one dtype");
+  }
   const int64_t R = q.size(0), H = q.size(1), D = q.size(2), KVH = k.size(1), C = k.size(2);
   const int64_t S = check_pages(k, pages, "decode_attention");
   TORCH_CHECK(H % KVH == 0, "decode_attention: kv heads (", KVH, ") must divide heads (", H, ")");
@@ -374,14 +424,36 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   at::Tensor out = at::empty_like(qc);
   if (R == 0) return out;
 #ifdef __AVX512F__
-  if (q.scalar_type() == at::kFloat &&
-      with_chunks(D, [&](auto nc) {
-        attend_f32<decltype(nc)::value>(qc.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(),
-                                        out.data_ptr<float>(), sp, np, op, R, H, KVH, at, k.stride(1),
-                                        static_cast<float>(scale));
+  if (q.scalar_type() == at::kFloat && with_chunks(D, [&](auto nc) {
+        constexpr int NC = decltype(nc)::value;
+        const auto run = [&](auto head) {
+          attend_runs<NC>(qc.data_ptr<float>(), head, out.data_ptr<float>(), sp, np, op, R, H, KVH, at,
+                          static_cast<float>(scale));
+        };
+        const int64_t head_stride = k.stride(1);
+        if (!q8) {
+          const float *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
+          run([&](int64_t s, int64_t g) {
+            const int64_t o = at.slot_offset(s) + g * head_stride;
+            return std::pair{F32Rows<NC>{kp + o}, F32Rows<NC>{vp + o}};
+          });
+          return;
+        }
+        const int8_t *kp = k.data_ptr<int8_t>(), *vp = v.data_ptr<int8_t>();
+        const auto* ks = reinterpret_cast<const uint16_t*>(k_scale->data_ptr<at::Half>());
+        const auto* vs = reinterpret_cast<const uint16_t*>(v_scale->data_ptr<at::Half>());
+        const int64_t per_row = k_scale->size(3), scale_slot = pages.has_value() ? 0 : k_scale->stride(0);
+        const int64_t scale_head = k_scale->stride(1);
+        run([&](int64_t s, int64_t g) {
+          const int64_t o = at.slot_offset(s) + g * head_stride, so = s * scale_slot + g * scale_head;
+          return std::pair{Q8Rows<NC>{kp + o, ks + so, per_row}, Q8Rows<NC>{vp + o, vs + so, per_row}};
+        });
       }))
     return out;
 #endif
+  if (q8)  // a head dim or CPU without the fast path: the same attention on f32 copies
+    return decode_attention(q, dequantize_q8(k, *k_scale), dequantize_q8(v, *v_scale), slots, lengths, scale, last,
+                            pages, c10::nullopt, c10::nullopt);
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "decode_attention", [&] {
     attend(qc.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), sp, np,
            op, R, H, KVH, D, at, k.stride(1), static_cast<float>(scale));
@@ -393,7 +465,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
 
 TORCH_LIBRARY_FRAGMENT(tandem, m) {
   m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor slots, Tensor lengths, float scale, Tensor? last=None, "
-        "Tensor? pages=None) -> Tensor");
+        "Tensor? pages=None, Tensor? k_scale=None, Tensor? v_scale=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tandem, CPU, m) { m.impl("decode_attention", tandem::decode_attention); }

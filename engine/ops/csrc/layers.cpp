@@ -9,8 +9,9 @@
 //
 // Each token is its own row: it writes its K/V at positions[n] of slot slots[n], and once every
 // row of the layer has written, it attends to positions 0 .. positions[n] of its slot. The cache is
-// slot-major, or one unified pool read through a page table (tandem::Layout). Tokens of
-// one slot at consecutive positions (a verify block, a prompt chunk) thereby attend causally.
+// slot-major, or one unified pool read through a page table (tandem::Layout); it holds floats, or
+// q8_0 with each new key and value quantized as engine/model/kv_cache.py Q8Storage writes it. Tokens
+// of one slot at consecutive positions (a verify block, a prompt chunk) thereby attend causally.
 // A tree's verify rows give rope_positions too: a node written at positions[n] but standing at
 // rope_positions[n] attends to 0 .. rope_positions[n]-1 (the chain before it) and then itself.
 //
@@ -52,34 +53,54 @@ void norm_heads(at::Tensor qk, const at::Tensor& weight, double eps) { qk.copy_(
 
 using tandem::Layout;
 
-// Row n's key and value heads (k, v: [N, KVH, D] views of the qkv rows) into the cache at slot
-// slots[n], position positions[n].
-void write_cache(const at::Tensor& k, const at::Tensor& v, at::Tensor& kc, at::Tensor& vc, const int64_t* slots,
-                 const int64_t* positions, const Layout& at) {
-  const int64_t N = k.size(0), KVH = k.size(1), e = k.element_size(), bytes = k.size(2) * e;
-  const char* kr = static_cast<const char*>(k.data_ptr());
-  const char* vr = static_cast<const char*>(v.data_ptr());
-  char* kb = static_cast<char*>(kc.data_ptr());
-  char* vb = static_cast<char*>(vc.data_ptr());
+// A layer's K or V cache [S, KVH, C, D] (a pool's [1, KVH, P, D]): floats, or q8_0 values with their
+// scales (tandem::check_q8).
+struct Store {
+  at::Tensor data;
+  c10::optional<at::Tensor> scales;
+
+  // pick(data) as f32, pick applied alike to a q8_0 layer's values and scales.
+  template <typename F>
+  at::Tensor floats(F&& pick) const {
+    return scales.has_value() ? tandem::dequantize_q8(pick(data), pick(*scales)) : pick(data).to(at::kFloat);
+  }
+};
+
+// Where slot s's position l of kv head g lies in t (a cache layer's data or scales), in elements.
+int64_t offset(const at::Tensor& t, const Layout& at, int64_t s, int64_t g, int64_t l) {
+  return (at.pages ? 0 : s * t.stride(0)) + g * t.stride(1) + at.row(s, l) * t.stride(2);
+}
+
+// Row n's key or value heads (x: [N, KVH, D], a view of the qkv rows) into the cache at slot
+// slots[n], position positions[n]; into a q8_0 layer quantized as Q8Storage writes them.
+void write_cache(const at::Tensor& x, Store& cache, const int64_t* slots, const int64_t* positions, const Layout& at) {
+  const int64_t N = x.size(0), KVH = x.size(1), D = x.size(2);
   for (int64_t n = 0; n < N; ++n)
     for (int64_t g = 0; g < KVH; ++g) {
-      const int64_t from = (n * k.stride(0) + g * k.stride(1)) * e;
-      const int64_t to =
-          (at.slot_offset(slots[n]) + g * kc.stride(1) + at.row(slots[n], positions[n]) * kc.stride(2)) * e;
-      std::memcpy(kb + to, kr + from, bytes);
-      std::memcpy(vb + to, vr + from, bytes);
+      const int64_t from = n * x.stride(0) + g * x.stride(1), to = offset(cache.data, at, slots[n], g, positions[n]);
+      if (cache.scales.has_value()) {
+        at::Tensor& scales = *cache.scales;
+        tandem::quantize_q8_row(x.data_ptr<float>() + from, cache.data.data_ptr<int8_t>() + to,
+                                scales.data_ptr<at::Half>() + offset(scales, at, slots[n], g, positions[n]), D);
+      } else {
+        const int64_t e = x.element_size();
+        std::memcpy(static_cast<char*>(cache.data.data_ptr()) + to * e,
+                    static_cast<const char*>(x.data_ptr()) + from * e, D * e);
+      }
     }
 }
 
 // Pooled keys [S, KVH, C / ratio, D] f32 of a QSA layer (a pool's: [1, KVH, P / ratio, D]): block
 // p / ratio of slot slots[n] for each row n whose position p ends its block, from the keys now in
 // the cache (as engine/qsa.py block_means computes them). A block lies in one page.
-void pool_blocks(const at::Tensor& kc, const at::Tensor& kpool, const int64_t* slots, const int64_t* positions,
+void pool_blocks(const Store& kc, const at::Tensor& kpool, const int64_t* slots, const int64_t* positions,
                  int64_t N, int64_t ratio, const Layout& at) {
   for (int64_t n = 0; n < N; ++n) {
     if ((positions[n] + 1) % ratio) continue;
     const int64_t first = at.row(slots[n], positions[n] / ratio * ratio), c = at.pages ? 0 : slots[n];
-    kpool[c].select(1, first / ratio).copy_(kc[c].narrow(1, first, ratio).to(at::kFloat).mean(1));
+    kpool[c].select(1, first / ratio).copy_(kc.floats([&](const at::Tensor& t) {
+      return t[c].narrow(1, first, ratio);
+    }).mean(1));
   }
 }
 
@@ -90,13 +111,14 @@ at::Tensor slot_rows(const at::Tensor& pages, int64_t s, int64_t length, int64_t
   return runs.flatten().narrow(0, 0, length);
 }
 
-// One query q [H, D] at position p past the budget, against its slot's keys and values [KVH, C, D]
-// and pooled keys [KVH, C / ratio, D]: the `keep` best complete blocks by engine/qsa.py
-// select_blocks' score (a stable sort: ties to the lower block), and the tail block -> [H, D].
-// rows: where the slot's positions 0 .. p lie in a pool's keys (undefined: at their own indices).
-at::Tensor attend_selected(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
+// One query q [H, D] at position p past the budget, against its slot's keys and values (cache
+// entry c: [KVH, C, D]) and pooled keys [KVH, C / ratio, D]: the `keep` best complete blocks by
+// engine/qsa.py select_blocks' score (a stable sort: ties to the lower block), and the tail block
+// -> [H, D]. rows: where the slot's positions 0 .. p lie in a pool's keys (undefined: at their own
+// indices).
+at::Tensor attend_selected(const at::Tensor& q, const Store& keys, const Store& values, int64_t c,
                            const at::Tensor& pool, int64_t p, int64_t ratio, int64_t keep, const at::Tensor& rows) {
-  const int64_t H = q.size(0), D = q.size(1), KVH = keys.size(0), visible = p / ratio;
+  const int64_t H = q.size(0), D = q.size(1), KVH = keys.data.size(1), visible = p / ratio;
   const at::Tensor qg = q.to(at::kFloat).view({KVH, H / KVH, D});
   const at::Tensor blocks = rows.defined()
                                 ? pool.index_select(1, rows.narrow(0, 0, visible * ratio).slice(0, 0, c10::nullopt, ratio)
@@ -110,7 +132,8 @@ at::Tensor attend_selected(const at::Tensor& q, const at::Tensor& keys, const at
   const at::Tensor logical = at::cat({(kept.unsqueeze(1) * ratio + at::arange(ratio, index)).flatten(),
                                       at::arange(visible * ratio, p + 1, index)});
   const at::Tensor seen = rows.defined() ? rows.index_select(0, logical) : logical;
-  const at::Tensor k = keys.index_select(1, seen).to(at::kFloat), v = values.index_select(1, seen).to(at::kFloat);
+  const auto pick = [&](const at::Tensor& t) { return t[c].index_select(1, seen); };
+  const at::Tensor k = keys.floats(pick), v = values.floats(pick);
   const at::Tensor weights = at::softmax(at::matmul(qg, k.transpose(1, 2)) / std::sqrt(static_cast<double>(D)), -1);
   return at::matmul(weights, v).view({H, D}).to(q.scalar_type());
 }
@@ -118,32 +141,39 @@ at::Tensor attend_selected(const at::Tensor& q, const at::Tensor& keys, const at
 // Every row's attention [N, H, D] to its slot, q [N, H, D]. A dense layer (ratio 0), and the rows of
 // a QSA layer whose p / ratio complete blocks number at most `keep`, attend positions 0 .. p in one
 // decode_attention call; a QSA layer's other rows attend their selected blocks.
-at::Tensor attend_rows(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& kpool,
+at::Tensor attend_rows(const at::Tensor& q, const Store& kc, const Store& vc, const at::Tensor& kpool,
                        const at::Tensor& slots, const at::Tensor& positions, const at::Tensor& lengths,
                        const c10::optional<at::Tensor>& last, int64_t ratio, int64_t keep,
                        const c10::optional<at::Tensor>& pages) {
-  const double scale = 1.0 / std::sqrt(static_cast<double>(kc.size(3)));
+  const double scale = 1.0 / std::sqrt(static_cast<double>(kc.data.size(3)));
+  const auto attend = [&](const at::Tensor& rows_q, const at::Tensor& rows_slots, const at::Tensor& rows_lengths,
+                          const c10::optional<at::Tensor>& rows_last) {
+    return tandem::decode_attention(rows_q, kc.data, vc.data, rows_slots, rows_lengths, scale, rows_last, pages,
+                                    kc.scales, vc.scales);
+  };
   const int64_t* sp = slots.data_ptr<int64_t>();
   const int64_t* pp = positions.data_ptr<int64_t>();
   std::vector<int64_t> within, past;
   for (int64_t n = 0; n < q.size(0); ++n) (ratio && pp[n] / ratio > keep ? past : within).push_back(n);
-  if (past.empty()) return tandem::decode_attention(q, kc, vc, slots, lengths, scale, last, pages);
+  if (past.empty()) return attend(q, slots, lengths, last);
   at::Tensor out = at::empty(q.sizes(), q.options());
   if (!within.empty()) {
     const at::Tensor rows = at::tensor(within, at::kLong);
-    out.index_copy_(0, rows, tandem::decode_attention(q.index_select(0, rows), kc, vc, slots.index_select(0, rows),
-                                                      lengths.index_select(0, rows), scale, c10::nullopt, pages));
+    out.index_copy_(0, rows, attend(q.index_select(0, rows), slots.index_select(0, rows), lengths.index_select(0, rows),
+                                    c10::nullopt));
   }
   for (const int64_t n : past) {
     const int64_t c = pages.has_value() ? 0 : sp[n];
-    const at::Tensor rows = pages.has_value() ? slot_rows(*pages, sp[n], pp[n] + 1, kc.size(2)) : at::Tensor();
-    out[n].copy_(attend_selected(q[n], kc[c], vc[c], kpool[c], pp[n], ratio, keep, rows));
+    const at::Tensor rows = pages.has_value() ? slot_rows(*pages, sp[n], pp[n] + 1, kc.data.size(2)) : at::Tensor();
+    out[n].copy_(attend_selected(q[n], kc, vc, c, kpool[c], pp[n], ratio, keep, rows));
   }
   return out;
 }
 
 at::Tensor decoder_layers(const at::Tensor& hidden, const Weights& weights, const std::vector<at::Tensor>& k_cache,
-                          const std::vector<at::Tensor>& v_cache, const c10::List<c10::optional<at::Tensor>>& kpools,
+                          const std::vector<at::Tensor>& v_cache, const c10::List<c10::optional<at::Tensor>>& k_scales,
+                          const c10::List<c10::optional<at::Tensor>>& v_scales,
+                          const c10::List<c10::optional<at::Tensor>>& kpools,
                           at::IntArrayRef ratios, at::IntArrayRef budgets, const at::Tensor& slots,
                           const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin, int64_t heads,
                           int64_t kv_heads, double eps, const c10::optional<at::Tensor>& rope_positions,
@@ -152,9 +182,10 @@ at::Tensor decoder_layers(const at::Tensor& hidden, const Weights& weights, cons
   TORCH_CHECK(hidden.dim() == 2 && v_cache.size() == k_cache.size() &&
                   static_cast<int64_t>(weights.size()) == layers * PER_LAYER,
               "decoder_layers: hidden [N, H], one K and V cache and ", PER_LAYER, " weights per layer expected");
-  TORCH_CHECK(static_cast<int64_t>(kpools.size()) == layers && static_cast<int64_t>(ratios.size()) == layers &&
+  TORCH_CHECK(static_cast<int64_t>(kpools.size()) == layers && static_cast<int64_t>(k_scales.size()) == layers &&
+                  static_cast<int64_t>(v_scales.size()) == layers && static_cast<int64_t>(ratios.size()) == layers &&
                   static_cast<int64_t>(budgets.size()) == layers,
-              "decoder_layers: one pool, ratio and budget per layer expected");
+              "decoder_layers: one pool, pair of q8_0 scales, ratio and budget per layer expected");
   TORCH_CHECK(slots.numel() == N && positions.numel() == N, "decoder_layers: one slot and one position per row");
   const at::Tensor s = slots.to(at::kLong).contiguous(), p = positions.to(at::kLong).contiguous();
   const bool tree = rope_positions.has_value();
@@ -166,12 +197,20 @@ at::Tensor decoder_layers(const at::Tensor& hidden, const Weights& weights, cons
   at::Tensor x = hidden.contiguous();
   for (int64_t l = 0; l < layers; ++l) {
     const int64_t b = l * PER_LAYER;
-    at::Tensor kc = k_cache[l], vc = v_cache[l];
+    Store ks{k_cache[l], k_scales.get(l)}, vs{v_cache[l], v_scales.get(l)};
+    const at::Tensor &kc = ks.data, &vc = vs.data;
+    const bool q8 = ks.scales.has_value();
+    TORCH_CHECK(vs.scales.has_value() == q8 && (!q8 || x.scalar_type() == at::kFloat), "decoder_layers: layer ", l,
+                ": a q8_0 cache gives both K's and V's scales, and takes f32 rows");
+    if (q8) {
+      tandem::check_q8(kc, *ks.scales, "decoder_layers");
+      tandem::check_q8(vc, *vs.scales, "decoder_layers");
+    }
     TORCH_CHECK(kc.dim() == 4 && kc.is_contiguous() && vc.sizes() == kc.sizes() && vc.is_contiguous() &&
-                    kc.scalar_type() == x.scalar_type() && vc.scalar_type() == x.scalar_type() &&
+                    (q8 || (kc.scalar_type() == x.scalar_type() && vc.scalar_type() == x.scalar_type())) &&
                     kc.size(1) == kv_heads,
                 "decoder_layers: layer ", l, "'s cache must be contiguous [S, ", kv_heads, ", C, D] in ",
-                x.scalar_type());
+                x.scalar_type(), " or q8_0");
     const int64_t S = tandem::check_pages(kc, pages, "decoder_layers");
     const Layout at = Layout::of(kc, pages);
     const int64_t D = kc.size(3), ratio = ratios[l];
@@ -202,9 +241,10 @@ at::Tensor decoder_layers(const at::Tensor& hidden, const Weights& weights, cons
       norm_heads(qkv.narrow(1, heads, kv_heads), required(weights, b + K_NORM), eps);
     }
     tandem::rope_(qkv.narrow(1, 0, heads + kv_heads), cos, sin);
-    write_cache(qkv.narrow(1, heads, kv_heads), qkv.narrow(1, heads + kv_heads, kv_heads), kc, vc, sp, pp, at);
-    if (ratio) pool_blocks(kc, kpool, sp, pp, N, ratio, at);
-    const at::Tensor attn = attend_rows(qkv.narrow(1, 0, heads), kc, vc, kpool, s, p, lengths, last, ratio,
+    write_cache(qkv.narrow(1, heads, kv_heads), ks, sp, pp, at);
+    write_cache(qkv.narrow(1, heads + kv_heads, kv_heads), vs, sp, pp, at);
+    if (ratio) pool_blocks(ks, kpool, sp, pp, N, ratio, at);
+    const at::Tensor attn = attend_rows(qkv.narrow(1, 0, heads), ks, vs, kpool, s, p, lengths, last, ratio,
                                         ratio ? budgets[l] / ratio : 0, pages);
     x = x + linear(attn.view({N, heads * D}), weights, b, O);
     const at::Tensor gate_up = linear(tandem::rms_norm(x, required(weights, b + POST_NORM), eps), weights, b, GATE_UP);
@@ -217,7 +257,8 @@ at::Tensor decoder_layers(const at::Tensor& hidden, const Weights& weights, cons
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(tandem, m) {
-  m.def("decoder_layers(Tensor hidden, Tensor?[] weights, Tensor[] k_cache, Tensor[] v_cache, Tensor?[] kpools, "
+  m.def("decoder_layers(Tensor hidden, Tensor?[] weights, Tensor[] k_cache, Tensor[] v_cache, Tensor?[] k_scales, "
+        "Tensor?[] v_scales, Tensor?[] kpools, "
         "int[] ratios, int[] budgets, Tensor slots, Tensor positions, Tensor cos, Tensor sin, int heads, int kv_heads, "
         "float eps, Tensor? rope_positions=None, Tensor? pages=None) -> Tensor");
 }

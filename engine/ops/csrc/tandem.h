@@ -47,11 +47,23 @@ int64_t check_pages(const at::Tensor& k, const c10::optional<at::Tensor>& pages,
 // positions (nothing to check without a page table).
 void check_rows(const c10::optional<at::Tensor>& pages, int64_t s, int64_t length, int64_t pool, const char* op);
 
+// A q8_0 cache layer (engine/model/kv_cache.py Q8Storage): values int8 [..., D] and one f16 scale
+// per block of 32 values, or per row where D is not a multiple of 32, scales [..., D / block].
+int64_t q8_block(int64_t D);
+// Checks values and scales as a q8_0 layer: int8 and f16, contiguous, scales [..., D / q8_block(D)].
+void check_q8(const at::Tensor& values, const at::Tensor& scales, const char* op);
+// values, scales -> f32 [..., D], the numbers Q8Storage reads back.
+at::Tensor dequantize_q8(const at::Tensor& values, const at::Tensor& scales);
+// One row of D floats into q8_0 as Q8Storage writes it: each block's scale the f16 of its largest
+// magnitude / 127, each value round-half-even(x / scale) within +-127 (0 for a zero block).
+void quantize_q8_row(const float* x, int8_t* values, at::Half* scales, int64_t D);
+
 // q [R, H, D], one query per row, against positions 0 .. lengths[r]-2 and last[r] (default
 // lengths[r]-1) of slot slots[r] of a cache layer k, v [S, KVH, C, D] (or a pool through `pages`,
-// see Layout) -> [R, H, D].
+// see Layout) -> [R, H, D]. k_scale, v_scale: given for a q8_0 layer (k and v int8, q f32).
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& slots,
                             const at::Tensor& lengths, double scale, const c10::optional<at::Tensor>& last,
-                            const c10::optional<at::Tensor>& pages);
+                            const c10::optional<at::Tensor>& pages, const c10::optional<at::Tensor>& k_scale,
+                            const c10::optional<at::Tensor>& v_scale);
 
 }  // namespace tandem
