@@ -88,6 +88,7 @@ def create_app(state: ServerState, on_load_failure: Callable[[BaseException], No
             "total_slots": c.parallel, "kv_unified": c.kv_unified, "dtype": c.dtype,
             # Threads the engine steps with now: fewer while other processes keep its cores busy.
             "threads": engine.threads,
+            "stream_interval_ms": s.settings.stream_interval * 1000,
             "weight_formats": engine.weight_formats,
             "cache_type_k": c.kv_types[0], "cache_type_v": c.kv_types[1],
             "default_generation_settings": {"n_ctx": c.ctx_per_slot, "params": {

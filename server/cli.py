@@ -41,7 +41,8 @@ def configs(f: ServerFlags) -> tuple[EngineConfig, ServerSettings]:
                           pipeline_parallel_size=f.pipeline_parallel_size, pipeline_depth=f.pipeline_depth,
                           pipeline_timeout=f.pipeline_timeout)
     settings = ServerSettings(host=f.host, port=f.port, alias=f.alias, api_key=f.api_key, body_limit=f.body_limit,
-                              drain_timeout=f.drain_timeout, queue_limit=f.queue_limit, timeout=f.timeout)
+                              drain_timeout=f.drain_timeout, queue_limit=f.queue_limit, timeout=f.timeout,
+                              stream_interval=f.stream_interval_ms / 1000)
     return engine, settings
 
 

@@ -49,6 +49,7 @@ class ServerFlags:
     drain_timeout: float = 60.0
     queue_limit: int | None = None  # None: unbounded
     timeout: float | None = None  # None: no time limit
+    stream_interval_ms: float = 20.0
     log_level: str = "info"
     log_format: str = "text"
     spec_type: str | None = None  # as given: a name or an alias in engine.settings.SPEC_TYPES, or SPEC_NONE
@@ -166,6 +167,8 @@ _FLAGS = (
           _ranged(int, 0)),
     _Flag(("--timeout",), "seconds a request may take, waiting included; then it ends with finish_reason "
                           "'timeout' (default: no limit)", _ranged(float, 0)),
+    _Flag(("--stream-interval-ms",), "a stream sends what was generated at most this often, after its first "
+                                     "token (0: every step's tokens at once)", _ranged(float, 0)),
     _Flag(("--log-level",), "least severe log level written", _one_of(LOG_LEVELS)),
     _Flag(("--log-format",), "text, or json: one object per line", _one_of(LOG_FORMATS)),
     _Flag(("--spec-type",), f"drafter for speculative decoding, or {SPEC_NONE} (default: draft-mtp with the "

@@ -118,7 +118,7 @@ async def run(state: ServerState, prepared: PreparedRequest) -> AsyncIterator[Pi
     "timeout"); a request the client left is counted in /metrics as cancelled."""
     stream = state.runner.submit(prepared.prompt_ids, prepared.params, cache_prompt=prepared.cache_prompt,
                                  pinned_slot=prepared.pinned_slot, probe=prepared.probe,
-                                 draft_limits=prepared.draft_limits)
+                                 draft_limits=prepared.draft_limits, interval=state.settings.stream_interval)
     decoder = IncrementalDecoder(state.runner.engine.tokenizer)
     matcher = StopMatcher(prepared.stops)
     timeout = state.settings.timeout

@@ -1,12 +1,19 @@
 """The bridge from the engine thread to asyncio.
 
-The engine calls each request's `on_output` on its own thread; the callback only hands the output
-to the event loop (`call_soon_threadsafe` into the request's asyncio.Queue), so the engine never
-waits on HTTP and the event loop never waits on a forward pass.
+The engine calls each request's `on_output` on its own thread; the callback only appends the output
+to the request's Stream and wakes the event loop when the stream's reader waits for it, so the
+engine never waits on HTTP and the event loop never waits on a forward pass.
+
+A stream's reader takes whatever has arrived as one output, and after its first at most one every
+`interval` seconds (--stream-interval-ms). Each chunk costs the event loop ~0.5 ms of Python
+(uvicorn, the SSE framing, the wake-up) on a core the forward's threads are using; at a token every
+6-7 ms a chunk per token cost the served path about 7% of its tokens (docs/benchmarks.md).
 """
 from __future__ import annotations
 
 import asyncio
+import collections
+import dataclasses
 import logging
 import threading
 import time
@@ -21,16 +28,59 @@ log = logging.getLogger("tandem.server")
 @dataclass
 class Stream:
     """One submitted request as the event loop sees it: its outputs, in order, then the end."""
-    request: Request
-    outputs: asyncio.Queue
     runner: "EngineRunner"
+    loop: asyncio.AbstractEventLoop
+    interval: float  # seconds between two outputs the reader takes, after its first
+    request: Request | None = None  # set once submitted
     t_arrived: float = field(default_factory=time.perf_counter)
     done: bool = False
+    _arrived: collections.deque = field(default_factory=collections.deque)  # appended on the engine thread
+    _waiter: asyncio.Future | None = None  # while the reader waits
+    _resting: bool = False  # whether it waits out its interval (only the last output cuts that short)
+    _t_taken: float | None = None
+
+    def deliver(self, out: StepOutput) -> None:
+        """Engine thread. The append comes before the look at the waiter, and the reader sets its
+        waiter before it looks at the queue again, so one of them sees the other."""
+        self._arrived.append(out)
+        waiter = self._waiter
+        if waiter is not None and (out.finished or not self._resting):
+            try:
+                self.loop.call_soon_threadsafe(_wake, waiter)
+            except RuntimeError:  # the loop closed during shutdown: nobody is listening
+                pass
 
     async def next(self) -> StepOutput:
-        out = await self.outputs.get()
+        """The outputs arrived since the last call, as one (their tokens and logprobs in order). The
+        last output is taken as soon as it comes, the interval notwithstanding."""
+        if self._t_taken is not None:
+            rest = self._t_taken + self.interval - self.loop.time()
+            if rest > 0:
+                await self._wait(rest)
+        while not self._arrived:
+            await self._wait(None)
+        out = self._arrived.popleft()
+        while self._arrived and not out.finished:
+            more = self._arrived.popleft()
+            logprobs = None if out.logprobs is None and more.logprobs is None else \
+                (out.logprobs or []) + (more.logprobs or [])
+            out = dataclasses.replace(more, token_ids=out.token_ids + more.token_ids, logprobs=logprobs)
+        self._t_taken = self.loop.time()
         self.done = out.finished
         return out
+
+    async def _wait(self, rest: float | None) -> None:
+        """Until an output arrives (rest None), or until `rest` seconds pass or the last output arrives."""
+        self._resting = rest is not None
+        waiter = self._waiter = self.loop.create_future()
+        timer = None if rest is None else self.loop.call_later(rest, _wake, waiter)
+        try:
+            if not (self._arrived and (self._arrived[-1].finished or not self._resting)):
+                await waiter
+        finally:
+            self._waiter = None
+            if timer is not None:
+                timer.cancel()
 
     def cancel(self) -> None:
         """Stop generating (client gone, or a stop string matched); the slot frees within one step."""
@@ -96,21 +146,20 @@ class EngineRunner:
                 return
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, *, cache_prompt: bool,
-               pinned_slot: int | None, probe: ProbeSpec | None = None, draft_limits: DraftLimits | None = None) -> Stream:
-        """Called on the event loop, after the request was validated."""
-        loop = asyncio.get_running_loop()
-        outputs: asyncio.Queue = asyncio.Queue()
-
-        def on_output(out: StepOutput) -> None:  # engine thread
-            try:
-                loop.call_soon_threadsafe(outputs.put_nowait, out)
-            except RuntimeError:  # the loop closed during shutdown: nobody is listening
-                pass
-
-        request = self.engine.submit(prompt_ids, params, on_output, cache_prompt=cache_prompt, pinned_slot=pinned_slot,
-                                     probe=probe, draft_limits=draft_limits)
-        return Stream(request, outputs, self)
+               pinned_slot: int | None, probe: ProbeSpec | None = None, draft_limits: DraftLimits | None = None,
+               interval: float = 0.0) -> Stream:
+        """Called on the event loop, after the request was validated. interval: seconds between the
+        outputs the stream's reader takes, after its first (0: each as it comes)."""
+        stream = Stream(self, asyncio.get_running_loop(), interval)
+        stream.request = self.engine.submit(prompt_ids, params, stream.deliver, cache_prompt=cache_prompt,
+                                            pinned_slot=pinned_slot, probe=probe, draft_limits=draft_limits)
+        return stream
 
     def stop(self) -> None:
         if self.engine is not None:
             self.engine.stop()
+
+
+def _wake(waiter: asyncio.Future) -> None:
+    if not waiter.done():
+        waiter.set_result(None)

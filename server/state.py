@@ -21,6 +21,7 @@ class ServerSettings:
     drain_timeout: float = 60.0  # seconds in-flight requests get to finish after SIGTERM
     queue_limit: int | None = None  # requests that may wait beyond the busy slots; None: unbounded
     timeout: float | None = None  # seconds a generation may take from its arrival; None: no limit
+    stream_interval: float = 0.02  # seconds between two chunks of one stream, after its first (server.runner)
 
 
 @dataclass

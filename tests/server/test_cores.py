@@ -42,7 +42,9 @@ def test_a_busy_neighbour_on_its_cores_takes_a_thread_and_gives_it_back(start_se
     with BusyLoops(1, cpus={cpus[0]}):
         assert 1 in threads_while_busy(server)  # the answer still completes
         assert threads(server) == 1  # and the count carries over the idle spell
-    assert 2 in threads_while_busy(server)
+    # Back to two at the first look that finds the core free; a shared host's own bursts may hide
+    # it during one answer (seen in 2 of 4 full-suite runs), not during three.
+    assert any(2 in threads_while_busy(server) for _ in range(3))
 
 
 def test_cpus_the_process_may_not_use_are_refused_by_name(tiny_model):
