@@ -51,8 +51,9 @@ class Stream:
                 pass
 
     async def next(self) -> StepOutput:
-        """The outputs arrived since the last call, as one (their tokens and logprobs in order). The
-        last output is taken as soon as it comes, the interval notwithstanding."""
+        """The outputs arrived since the last call, as one (their tokens and logprobs in order); with
+        an interval of 0, the next output as it is (a chunk per step). The last output is taken as
+        soon as it comes, the interval notwithstanding."""
         if self._t_taken is not None:
             rest = self._t_taken + self.interval - self.loop.time()
             if rest > 0:
@@ -60,7 +61,7 @@ class Stream:
         while not self._arrived:
             await self._wait(None)
         out = self._arrived.popleft()
-        while self._arrived and not out.finished:
+        while self.interval and self._arrived and not out.finished:
             more = self._arrived.popleft()
             logprobs = None if out.logprobs is None and more.logprobs is None else \
                 (out.logprobs or []) + (more.logprobs or [])

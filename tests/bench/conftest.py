@@ -27,11 +27,13 @@ def fake(_fake_server) -> FakeUpstream:
 
 
 def _serve_tiny(tmp_path_factory):
-    """`python -m server` on a tiny random model with two slots, served as 'tiny'."""
+    """`python -m server` on a tiny random model with two slots, served as 'tiny', a chunk per step
+    (`--stream-interval-ms 0`): the bench's inter-token latencies are what its tests read."""
     from engine.cli.tiny import tiny_config, write_tiny_model
     config = tiny_config()
     model = write_tiny_model(config, tmp_path_factory.mktemp("tiny-llama"), seed=0)
-    server = ServerProcess(["-m", str(model), "-np", str(TINY_SLOTS), "-c", "2048", "--alias", "tiny"],
+    server = ServerProcess(["-m", str(model), "-np", str(TINY_SLOTS), "-c", "2048", "--alias", "tiny",
+                            "--stream-interval-ms", "0"],
                            tmp_path_factory.mktemp("server") / "server.log")
     try:
         yield server.wait_ready()

@@ -29,11 +29,14 @@ def make_proxy(tmp_path_factory):
 
 # A stream that must still be running while a test acts on it: the tiny model decodes about 1,700
 # tokens/s, so a few seconds take most of its trained context (4,096 positions, each slot's size).
+# Its servers send a chunk per step (`--stream-interval-ms 0`): at the default's chunk per 20 ms the
+# tiny model outruns that pace, and a relayed stream's chunks would depend on timing.
 LONG_STREAM = 4000
 
 
 def tiny_profile(model: Path, parallel: int = 2, **extra) -> dict:
-    return {"args": ["-m", str(model), "-c", str(4096 * parallel), "-np", str(parallel), "-t", "1"],
+    return {"args": ["-m", str(model), "-c", str(4096 * parallel), "-np", str(parallel), "-t", "1",
+                     "--stream-interval-ms", "0"],
             "health_timeout": 90, "drain_timeout": 30, "stop_grace": 5, **extra}
 
 
