@@ -81,14 +81,16 @@ class KernelView(NamedTuple):
     v_scale: torch.Tensor | None = None
 
 
-def _kernel_view(k, v, kpool, pages, dtype: torch.dtype, lead: tuple) -> KernelView | None:
-    """K and V as the kernels read them, `lead` indexing each tensor (a pool's: a slot axis of 1):
-    floats of `dtype`, or q8_0 on both with f32 rows; None otherwise."""
-    kpool = None if kpool is None else kpool[lead]
+def _kernel_view(k, v, kpool, pages, dtype: torch.dtype) -> KernelView | None:
+    """K and V as the kernels read them, floats of `dtype` or q8_0 on both with f32 rows (None
+    otherwise); a unified pool's (pages given) with a slot axis of 1, a slot-major cache's as
+    stored (no view made per step)."""
+    as_slots = (lambda t: t[None]) if pages is not None else (lambda t: t)
+    kpool = None if kpool is None else as_slots(kpool)
     if isinstance(k, Q8Storage) and isinstance(v, Q8Storage) and dtype == torch.float32:
-        return KernelView(k.q[lead], v.q[lead], kpool, pages, k.scale[lead], v.scale[lead])
+        return KernelView(as_slots(k.q), as_slots(v.q), kpool, pages, as_slots(k.scale), as_slots(v.scale))
     if isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor) and k.dtype == dtype and v.dtype == dtype:
-        return KernelView(k[lead], v[lead], kpool, pages)
+        return KernelView(as_slots(k), as_slots(v), kpool, pages)
     return None
 
 
@@ -209,7 +211,7 @@ class KVCache(_Stores):
     def kernel_view(self, layer: int, dtype: torch.dtype) -> KernelView | None:
         """The layer's storage when K and V hold floats of `dtype` or both q8_0 for f32 rows (the
         kernels then read it in place); None when they do not."""
-        return _kernel_view(self.k[layer], self.v[layer], self.kpool[layer], None, dtype, (...,))
+        return _kernel_view(self.k[layer], self.v[layer], self.kpool[layer], None, dtype)
 
     def write_tokens(self, layer: int, slots: torch.Tensor, positions: torch.Tensor, k: torch.Tensor,
                      v: torch.Tensor) -> None:
@@ -358,7 +360,7 @@ class PagedKVCache(_Stores):
     def kernel_view(self, layer: int, dtype: torch.dtype) -> KernelView | None:
         """The pool as one slot of the kernels' layout, read through the page table, when K and V
         hold floats of `dtype` or both q8_0 for f32 rows; None when they do not."""
-        return _kernel_view(self.k[layer], self.v[layer], self.kpool[layer], self.page_table, dtype, (None,))
+        return _kernel_view(self.k[layer], self.v[layer], self.kpool[layer], self.page_table, dtype)
 
     def write_tokens(self, layer: int, slots: torch.Tensor, positions: torch.Tensor, k: torch.Tensor,
                      v: torch.Tensor) -> None:

@@ -45,7 +45,7 @@ using tandem::Layout;
 template <typename T>
 void attend(const T* q, const T* k, const T* v, T* out, const int64_t* slots, const int64_t* lengths,
             const int64_t* last, int64_t R, int64_t H, int64_t KVH, int64_t D, const Layout& at,
-            int64_t kv_head_stride, float scale) {
+            const at::Tensor& layer, float scale) {
   const int64_t group = H / KVH, max_len = *std::max_element(lengths, lengths + R);
   // One work item per (row, kv head): its `group` query heads, scores [group, L], outputs [group, D].
   const int64_t grain = std::max<int64_t>(1, 65536 / (max_len * D * group));
@@ -53,8 +53,8 @@ void attend(const T* q, const T* k, const T* v, T* out, const int64_t* slots, co
     std::vector<float> qf(group * D), acc(group * D), scores(group * max_len);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t r = item / KVH, g = item % KVH, L = lengths[r], s = slots[r];
-      const T* kh = k + at.slot_offset(s) + g * kv_head_stride;
-      const T* vh = v + at.slot_offset(s) + g * kv_head_stride;
+      const T* kh = k + at.head_offset(layer, s, g);  // k and v share the layer's strides
+      const T* vh = v + at.head_offset(layer, s, g);
       const T* qg = q + (r * H + g * group) * D;
       const int64_t own = last[r];
       const auto row = [&](int64_t l) { return at.row(s, l == L - 1 ? own : l) * D; };
@@ -255,7 +255,7 @@ void attend_runs(const float* q, Head&& head, float* out, const int64_t* slots, 
       // Row j's own key or value when it is not in the run (a tree node's, at its scratch position).
       const auto moved = [&](int64_t j, int64_t l, const Rows& rows, const float* run) {
         const int64_t r = b.first + j;
-        if (l != lengths[r] - 1 || last[r] == l) return run + (l - l / 16 * 16) * D;
+        if (l != lengths[r] - 1 || last[r] == l) return run + l % 16 * D;  // runs start at multiples of 16
         return rows.run(at.row(s, last[r]), 1, own);
       };
       for (int64_t l = from; l < reach; l += 16) {
@@ -353,7 +353,6 @@ namespace tandem {
 
 Layout Layout::of(const at::Tensor& k, const c10::optional<at::Tensor>& pages) {
   Layout at;
-  at.slot_stride = k.stride(0);
   if (pages.has_value()) {
     at.pages = pages->data_ptr<int64_t>();
     at.pages_per_slot = pages->size(1);
@@ -430,11 +429,10 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
           attend_runs<NC>(qc.data_ptr<float>(), head, out.data_ptr<float>(), sp, np, op, R, H, KVH, at,
                           static_cast<float>(scale));
         };
-        const int64_t head_stride = k.stride(1);
         if (!q8) {
           const float *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
           run([&](int64_t s, int64_t g) {
-            const int64_t o = at.slot_offset(s) + g * head_stride;
+            const int64_t o = at.head_offset(k, s, g);
             return std::pair{F32Rows<NC>{kp + o}, F32Rows<NC>{vp + o}};
           });
           return;
@@ -442,10 +440,9 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
         const int8_t *kp = k.data_ptr<int8_t>(), *vp = v.data_ptr<int8_t>();
         const auto* ks = reinterpret_cast<const uint16_t*>(k_scale->data_ptr<at::Half>());
         const auto* vs = reinterpret_cast<const uint16_t*>(v_scale->data_ptr<at::Half>());
-        const int64_t per_row = k_scale->size(3), scale_slot = pages.has_value() ? 0 : k_scale->stride(0);
-        const int64_t scale_head = k_scale->stride(1);
+        const int64_t per_row = k_scale->size(3);
         run([&](int64_t s, int64_t g) {
-          const int64_t o = at.slot_offset(s) + g * head_stride, so = s * scale_slot + g * scale_head;
+          const int64_t o = at.head_offset(k, s, g), so = at.head_offset(*k_scale, s, g);
           return std::pair{Q8Rows<NC>{kp + o, ks + so, per_row}, Q8Rows<NC>{vp + o, vs + so, per_row}};
         });
       }))
@@ -456,7 +453,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
                             pages, c10::nullopt, c10::nullopt);
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "decode_attention", [&] {
     attend(qc.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), sp, np,
-           op, R, H, KVH, D, at, k.stride(1), static_cast<float>(scale));
+           op, R, H, KVH, D, at, k, static_cast<float>(scale));
   });
   return out;
 }

@@ -68,7 +68,7 @@ struct Store {
 
 // Where slot s's position l of kv head g lies in t (a cache layer's data or scales), in elements.
 int64_t offset(const at::Tensor& t, const Layout& at, int64_t s, int64_t g, int64_t l) {
-  return (at.pages ? 0 : s * t.stride(0)) + g * t.stride(1) + at.row(s, l) * t.stride(2);
+  return at.head_offset(t, s, g) + at.row(s, l) * t.stride(2);
 }
 
 // Row n's key or value heads (x: [N, KVH, D], a view of the qkv rows) into the cache at slot

@@ -28,11 +28,15 @@ void rope_(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin);
 // least 16 rows, so 16 aligned positions are always one run of rows.
 struct Layout {
   const int64_t* pages = nullptr;
-  int64_t pages_per_slot = 0, shift = 0, slot_stride = 0;
+  int64_t pages_per_slot = 0, shift = 0;
 
   // The layout of cache layer k for the optional page table (which the caller has checked).
   static Layout of(const at::Tensor& k, const c10::optional<at::Tensor>& pages);
-  int64_t slot_offset(int64_t s) const { return pages ? 0 : s * slot_stride; }
+  // Where kv head g of slot s starts in t, a tensor of the layer shaped as k's leading axes (its
+  // keys or values, or a q8_0 layer's scales), in elements.
+  int64_t head_offset(const at::Tensor& t, int64_t s, int64_t g) const {
+    return (pages ? 0 : s * t.stride(0)) + g * t.stride(1);
+  }
   int64_t row(int64_t s, int64_t l) const {
     if (!pages) return l;
     return (pages[s * pages_per_slot + (l >> shift)] << shift) | (l & ((int64_t{1} << shift) - 1));
