@@ -19,7 +19,8 @@ from engine.admission import Admission
 from engine.forward import StepResult, forward
 from engine.loader import load_parts
 from engine.model.probe import ProbeCapture, ProbeSpec
-from engine.pipeline.head import PipelineError
+from engine.pipeline.draft_rank import RemoteDrafter
+from engine.pipeline.head import PipelineError, RemoteStages
 from engine.pipeline.ranks import Rank
 from engine.preflight import Headers, read_headers
 from engine.sched.request import Draft, Request, Status, StepOutput
@@ -122,8 +123,10 @@ class Engine:
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout=30)
-        if self.remote is not None and (self._thread is None or not self._thread.is_alive()):
-            self.remote.close()
+        if self._thread is None or not self._thread.is_alive():
+            for link in (self.remote, self.drafter):
+                if isinstance(link, (RemoteStages, RemoteDrafter)):
+                    link.close()
 
     def generate(self, prompt_ids: list[int], params: SamplingParams, **kwargs):
         """Yield the StepOutputs of one request; steps inline when no engine thread runs."""
@@ -166,6 +169,8 @@ class Engine:
             self.threads = wanted
 
     def _keepalive(self) -> None:
+        if isinstance(self.drafter, RemoteDrafter):
+            self.drafter.keepalive()
         if self.remote is None:
             return
         try:
@@ -240,7 +245,7 @@ class Engine:
             if verdict.rows[-1] != verdict.accepted:  # a sibling was kept: its K/V moves to its place
                 kept = torch.tensor(verdict.rows)
                 self.stats.siblings_kept += 1
-                self.cache.move(req.slot, p.row.start + verdict.rows[-1], p.row.start + verdict.accepted)
+                self.scheduler.kv.move(req.slot, p.row.start + verdict.rows[-1], p.row.start + verdict.accepted)
             self.scheduler.commit(req, [tokens[r] for r in verdict.rows])
             self._emit(req, verdict.tokens, out.logits, [at + r for r in verdict.rows], out.now)
         else:

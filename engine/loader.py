@@ -6,6 +6,8 @@ import logging
 import time
 from dataclasses import dataclass
 
+import torch
+
 from engine.files.tokenizer import Tokenizer
 from engine.files.weights import ModelFiles
 from engine.footprint import DeviceUsage, measure
@@ -13,6 +15,7 @@ from engine.model.kv_cache import KVCache, cache_for
 from engine.model.transformer import Transformer
 from engine.ops import kernels
 from engine.ops.quant import describe_formats, keeps_blocks
+from engine.pipeline.draft_rank import DraftLink, RemoteDrafter
 from engine.pipeline.head import MirroredCache, RemoteStages
 from engine.pipeline.ranks import Rank, join
 from engine.pipeline.transport import Link
@@ -56,14 +59,17 @@ def load_parts(config: EngineConfig, headers: Headers, rank: Rank | None, descri
     log.info("CPU kernels: %s", "ready" if kernels.available() else "unavailable, torch's ops instead")
     stages = headers.placement.stage_ranges()
     # A pipeline head builds stage 0 and reads only its tensors; RemoteStages stands for the rest.
-    placement = headers.placement if rank is None else headers.placement.first_stage()
-    tensors = files.load_tensors(stages[0] if rank is not None else None, keep_blocks=keeps_blocks(config.dtype))
+    pipelined = rank is not None and rank.stages > 1
+    placement = headers.placement.first_stage() if pipelined else headers.placement
+    tensors = files.load_tensors(stages[0] if pipelined else None, keep_blocks=keeps_blocks(config.dtype))
     model = Transformer(mc, tensors, config.dtype,
                         max_positions=max(config.ctx_per_slot, mc.max_position_embeddings), placement=placement)
     drafter = None
-    if config.spec is not None:
-        drafter = load_drafter(config.spec, headers.draft, model, tensors, config.dtype, config.parallel,
-                               config.ctx_per_slot, headers.draft_ratios, placement.draft_device)
+    if config.spec is not None and not config.draft_rank:
+        here = model.stages[0].device == torch.device(placement.draft_device)
+        drafter = load_drafter(config.spec, headers.draft, mc, tensors, config.dtype, config.parallel,
+                               config.ctx_per_slot, headers.draft_ratios, placement.draft_device,
+                               model.embed_tokens if here else None)
     del tensors
     log.info("loaded %s (%s, %s) in %.1f s", files.path, mc.family, config.dtype, time.perf_counter() - t0)
     formats = model.weight_formats()
@@ -77,22 +83,26 @@ def load_parts(config: EngineConfig, headers: Headers, rank: Rank | None, descri
         devices = measure(model, cache, placement.draft_device, *resident)
     else:
         devices = measure(model, cache)
-    log.info("%d stage(s), pipeline depth %d, %d process(es)", len(stages), config.depth,
-             config.pipeline_parallel_size)
+    log.info("%d stage(s), pipeline depth %d, %d process(es)", len(stages), config.depth, config.world)
     for usage in devices:
         log.info("device %s", usage.describe())
     eos = set(mc.eos_token_ids)
     if tokenizer.eos_token_id is not None:
         eos.add(tokenizer.eos_token_id)
-    margin = 1 if drafter is not None and drafter.needs_hidden else 0
     remote = None
-    if rank is not None:
+    message_device = join(rank, headers.placement) if rank is not None else None
+    if pipelined:
         log.info("pipeline: this head (rank 0) runs stage 0, layers %s; %s", _layer_span(stages[0]),
                  "; ".join(f"rank {r} stage {r}, layers {_layer_span(s)} on {headers.placement.devices[r]}"
                            for r, s in enumerate(stages) if r))
-        link = Link(0, rank.world, mc.hidden_size, model.compute_dtype, join(rank, headers.placement, 0))
+        link = Link(0, rank.stages, mc.hidden_size, model.compute_dtype, message_device)
         remote = RemoteStages(link, config.pipeline_timeout, placement.devices[0], describe_loss)
         model.stages.append(remote)  # after the local stage, before the final norm
+    if config.draft_rank:
+        log.info("the draft (%s) runs on rank %d, on its %s", config.spec.type, rank.world - 1, placement.draft_device)
+        drafter = RemoteDrafter(DraftLink(rank.world - 1, mc.hidden_size, model.compute_dtype), config.spec,
+                                mc.vocab_size, config.pipeline_timeout, describe_loss)
+    margin = 1 if drafter is not None and drafter.needs_hidden else 0
     scheduler = Scheduler(config.parallel, config.ctx_per_slot, config.batch_size, config.ubatch_size,
                           MirroredCache(cache, remote.queued) if remote is not None else cache,
                           reuse_margin=margin, draft_max=config.spec.verify_rows if config.spec else 0)

@@ -39,14 +39,6 @@ def read_headers(config: EngineConfig) -> Headers:
     if config.kv_unified and unpaged:
         raise ConfigError(f"compress_ratios: ratio {unpaged[0]} must divide the KV page size {page} with kv_unified")
     stages = config.pipeline_parallel_size
-    width = config.spec.width if config.spec is not None else 1
-    qsa = sorted({r for r in model.layer_ratios if r})
-    if width > 1 and qsa:
-        raise ConfigError(f"spec_draft_width={width}: must be 1 over a target with QSA layers (ratio {qsa[0]}): a "
-                          f"sibling's kept K/V would leave stale pooled keys")
-    if width > 1 and stages > 1:
-        raise ConfigError(f"spec_draft_width={width}: must be 1 with pipeline_parallel_size={stages}: the stages' "
-                          f"caches do not take a kept sibling's move")
     if stages > model.num_layers:
         raise ConfigError(f"pipeline_parallel_size={stages}: must be at most the model's {model.num_layers} trunk "
                           f"layers (one or more per stage)")

@@ -174,6 +174,8 @@ class EngineConfig:
     layer_split: tuple[int, ...] | None = None
     tensor_split: tuple[float, ...] | None = None
     draft_device: str = "cpu"
+    # The draft in a process of its own, the last rank of the group (engine/pipeline/draft_rank.py).
+    draft_rank: bool = False
 
     def __post_init__(self) -> None:
         kv_types = f"must be one of {', '.join(KV_CACHE_TYPES)}"
@@ -197,6 +199,9 @@ class EngineConfig:
             (self.pipeline_depth is None or self.pipeline_depth >= 1, "pipeline_depth", self.pipeline_depth,
              "must be >= 1"),
             (self.pipeline_timeout > 0, "pipeline_timeout", self.pipeline_timeout, "must be > 0"),
+            (not self.draft_rank or (self.spec is not None and self.spec.type != "ngram-simple"), "spec_draft_rank",
+             self.draft_rank, f"needs a draft model to place (spec_type draft-mtp, draft-mtp-ngram or draft-simple), "
+                              f"not spec_type={self.spec.type if self.spec else 'none'}"),
         ])
 
     @property
@@ -205,6 +210,11 @@ class EngineConfig:
         if self.kv_unified:
             return self.ctx_size // PAGE_SIZE * PAGE_SIZE
         return self.ctx_size // self.parallel
+
+    @property
+    def world(self) -> int:
+        """Processes the engine runs in: one per pipeline stage, and the draft's own rank."""
+        return self.pipeline_parallel_size + int(self.draft_rank)
 
     @property
     def depth(self) -> int:

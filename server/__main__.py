@@ -15,6 +15,7 @@ from sse_starlette.sse import AppStatus
 
 from engine import TandemError, read_headers
 from engine.pipeline import ranks
+from engine.pipeline.draft_rank import draft_main
 from engine.pipeline.worker import worker_main
 from engine.threads import describe_cpus, pin
 from server.app import create_app
@@ -76,17 +77,17 @@ def main(argv: list[str] | None = None) -> int:
         # Model, draft and compression checked from their headers before the server listens, so a
         # bad one exits 2 here instead of failing the load thread later.
         headers = read_headers(engine_config)
-        rank = ranks.from_env(engine_config.pipeline_parallel_size)
+        rank = ranks.from_env(engine_config.pipeline_parallel_size, draft=engine_config.draft_rank)
     except (FlagError, TandemError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     setup_logging(flags.log_level, flags.log_format)
     if rank is not None and not rank.is_head:
-        return worker_main(engine_config, headers, rank)
+        return (draft_main if rank.is_draft else worker_main)(engine_config, headers, rank)
     workers = None
-    if rank is None and engine_config.pipeline_parallel_size > 1:
+    if rank is None and engine_config.world > 1:
         # From this, the main thread: a worker's parent-death signal fires when its spawning thread exits.
-        workers = ranks.LocalWorkers(argv, engine_config.pipeline_parallel_size)
+        workers = ranks.LocalWorkers(argv, engine_config.world, engine_config.draft_rank)
         rank = workers.rank
     runner = EngineRunner(engine_config, headers, rank, workers)
     try:

@@ -106,6 +106,8 @@ def create_app(state: ServerState, on_load_failure: Callable[[BaseException], No
             "devices": [usage.as_dict() for usage in engine.devices],
             "stages": len(engine.placement.layer_split), "pipeline_depth": c.depth,
             "draft_device": c.draft_device,
+            # The rank the draft runs in: this process's (0), or its own, the last (--spec-draft-rank).
+            "draft_rank": c.world - 1 if c.draft_rank else 0 if spec else None,
             # Each stage's process (rank 0 is this one; -pp puts one stage in each), device and layers.
             "pipeline_stages": [{"rank": s if c.pipeline_parallel_size > 1 else 0, "device": device,
                                  "layers": [layers.start, layers.stop]}

@@ -37,7 +37,7 @@ def configs(f: ServerFlags) -> tuple[EngineConfig, ServerSettings]:
                           cache_type_v=f.cache_type_v, kv_unified=f.kv_unified or f.parallel is None,
                           threads=f.threads or (len(f.cpus) if f.cpus else None), chat_template=f.chat_template, spec=spec, compress_ratios=f.compress_ratios,
                           qsa_budget=f.qsa_budget, devices=f.devices, layer_split=f.layer_split,
-                          tensor_split=f.tensor_split, draft_device=f.spec_draft_device,
+                          tensor_split=f.tensor_split, draft_device=f.spec_draft_device, draft_rank=f.spec_draft_rank,
                           pipeline_parallel_size=f.pipeline_parallel_size, pipeline_depth=f.pipeline_depth,
                           pipeline_timeout=f.pipeline_timeout)
     settings = ServerSettings(host=f.host, port=f.port, alias=f.alias, api_key=f.api_key, body_limit=f.body_limit,

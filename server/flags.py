@@ -63,6 +63,7 @@ class ServerFlags:
     spec_max_batch: int = 1
     no_spec_pacing: bool = False
     spec_draft_device: str = "cpu"
+    spec_draft_rank: bool = False
     devices: tuple[str, ...] = ("cpu",)
     layer_split: tuple[int, ...] | None = None  # None: by tensor_split, or as even as the layers go
     tensor_split: tuple[float, ...] | None = None
@@ -190,6 +191,9 @@ _FLAGS = (
     _Flag(("--spec-ngram-size-n",), "n-gram length ngram-simple and draft-mtp-ngram look up", _ranged(int, 1)),
     _Flag(("-devd", "--device-draft", "--spec-draft-device"),
           "device the whole draft runs on (its layers, head, cache): cpu, cuda or cuda:N", _parsed(parse_device)),
+    _Flag(("--spec-draft-rank",), "run the draft in a process of its own, the last rank of the torch.distributed "
+          "group (started here, or under torchrun one more process than -pp), on its --spec-draft-device; the head "
+          "sends it each step's spans and hidden states and receives the drafts", None),
     _Flag(("-dev", "--device", "--devices"), "devices the trunk's layers run on, one stage each, in order: a comma "
           "list of cpu, cuda, cuda:N (the embedding sits on the first, the final norm and lm_head on the last)",
           _parsed(parse_devices)),

@@ -128,12 +128,16 @@ class _Stores:
 
     def move(self, slot: int, src: int, dst: int) -> None:
         """Position src's K and V to position dst of the slot, in every layer: an accepted tree
-        node's, from its scratch position down to the committed one. Dense layers only: a QSA
-        layer's pooled keys are not recomputed (trees are refused over QSA targets)."""
+        node's, from its scratch position down to the committed one. As a write there would, it
+        recomputes a QSA layer's pooled key of the block dst ends (a later block is recomputed when
+        the positions after dst are written)."""
         a, b = self._at(slot, dst), self._at(slot, src)
         for stores in (self.k, self.v):
             for store in stores:
                 _copy(store, a, b)
+        for layer, spec in enumerate(self.specs):
+            if spec.is_qsa and (dst + 1) % spec.ratio == 0:
+                self._pool_blocks(layer, slot, dst, dst + 1)
 
     @property
     def nbytes(self) -> int:

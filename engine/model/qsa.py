@@ -65,43 +65,51 @@ def select_blocks(q: torch.Tensor, kpool: torch.Tensor, positions: torch.Tensor,
     return scores.sort(dim=-1, descending=True, stable=True).indices[:, :spec.keep]
 
 
-def allowed_keys(positions: torch.Tensor, length: int, kept: torch.Tensor | None, spec: LayerSpec) -> torch.Tensor:
+def allowed_keys(positions: torch.Tensor, length: int, kept: torch.Tensor | None, spec: LayerSpec,
+                 base: torch.Tensor | None = None) -> torch.Tensor:
     """[T, length] bool: which key positions each query attends. kept: [T, keep] selected blocks
-    of the queries past the budget (rows of queries within it are ignored), or None for none."""
+    of the queries past the budget (rows of queries within it are ignored), or None for none.
+    base: [T, length] the keys each query could see in a dense layer, when not the causal ones (a
+    tree row's mask, engine/model/batch.py: a node stands at `positions` but its own key lies at
+    its scratch position past the chain)."""
     device = positions.device  # a stage's (engine/placement.py): every index made here lives there
     keys = torch.arange(length, device=device)
-    causal = keys <= positions[:, None]
+    seen = keys <= positions[:, None] if base is None else base
     if kept is None:
-        return causal
+        return seen
     block = keys // spec.ratio  # [length]
     visible = positions // spec.ratio  # [T]
     chosen = torch.zeros(len(positions), int(visible.max()) + 1, dtype=torch.bool, device=device)
     chosen.scatter_(1, kept, True)
     chosen[torch.arange(len(positions), device=device), visible] = True  # the tail block
-    sparse = chosen[:, block.clamp(max=chosen.shape[1] - 1)] & causal
-    return torch.where((visible > spec.keep)[:, None], sparse, causal)
+    # A query's own key stays wherever it was written: at its position (in its tail block), or
+    # past the chain for a tree's sibling.
+    own = keys >= positions[:, None]
+    sparse = (chosen[:, block.clamp(max=chosen.shape[1] - 1)] | own) & seen
+    return torch.where((visible > spec.keep)[:, None], sparse, seen)
 
 
 def attended(q: torch.Tensor, kpool: torch.Tensor, positions: torch.Tensor, length: int,
-             spec: LayerSpec) -> torch.Tensor:
-    """[T, length] bool: the keys queries q [T, heads, d] at `positions` attend in a QSA layer, given
-    pooled keys kpool [kv_heads, >= length//r, d]."""
+             spec: LayerSpec, base: torch.Tensor | None = None) -> torch.Tensor:
+    """[T, length] bool: the keys queries q [T, heads, d] standing at `positions` attend in a QSA
+    layer, given pooled keys kpool [kv_heads, >= length//r, d]; base as allowed_keys takes it."""
     past = positions // spec.ratio > spec.keep
     if not bool(past.any()):
-        return allowed_keys(positions, length, None, spec)
+        return allowed_keys(positions, length, None, spec, base)
     kept = torch.zeros(len(positions), spec.keep, dtype=torch.long, device=q.device)
     kept[past] = select_blocks(q[past], kpool, positions[past], spec)
-    return allowed_keys(positions, length, kept, spec)
+    return allowed_keys(positions, length, kept, spec, base)
 
 
 def sparse_keys(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, kpool: torch.Tensor,
-                positions: torch.Tensor, spec: LayerSpec):
-    """What queries q [T, heads, d] at `positions` attend in a QSA layer, given a slot's keys and
-    values [kv_heads, L, d] (L: the last query's position + 1) and pooled keys kpool
+                positions: torch.Tensor, spec: LayerSpec, mask: torch.Tensor | None = None):
+    """What queries q [T, heads, d] standing at `positions` attend in a QSA layer, given a slot's
+    keys and values [kv_heads, L, d] (L: past the last key written) and pooled keys kpool
     [kv_heads, >= L//r, d]: (keys, values, mask [T, L'] bool or None), ready for the layer's
-    ordinary attention. Within the budget these are exactly the dense path's inputs."""
+    ordinary attention. mask: the row's dense mask [T, L] (causal or a tree's; None for one query,
+    which sees 0 .. its position). Within the budget these are exactly the dense path's inputs."""
     if len(positions) > 1:
-        return keys, values, attended(q, kpool, positions, keys.shape[1], spec)
+        return keys, values, attended(q, kpool, positions, keys.shape[1], spec, mask)
     p = int(positions[0])
     if p // spec.ratio <= spec.keep:
         return keys, values, None

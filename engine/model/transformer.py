@@ -111,7 +111,7 @@ class Attention(nn.Module):
             keys, values = cache.read(layer, row.slot, row.start + t)
             if self.spec.is_qsa:
                 pool = cache.read_pool(layer, row.slot, (row.start + t) // self.spec.ratio)
-                keys, values, mask = qsa.sparse_keys(q[sl], keys, values, pool, batch.positions[sl], self.spec)
+                keys, values, mask = qsa.sparse_keys(q[sl], keys, values, pool, batch.rope[sl], self.spec, mask)
             out[sl] = self._attend(q[sl], keys.to(q.dtype), values.to(q.dtype), mask)
         if batch.probes is not None:
             self._probe(q, k, batch, cache, layer)

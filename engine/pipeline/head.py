@@ -18,20 +18,25 @@ class PipelineError(RuntimeError):
 
 
 class MirroredCache:
-    """The head's KV cache as its scheduler uses it: every `ensure` and `truncate` is also queued for
-    the workers' caches, which replay them in order before their next forward. Page allocation is
-    deterministic, so each stage's pool then holds the same pages for the same slots as the head's."""
+    """The head's KV cache as its scheduler and engine use it: every `ensure`, `truncate` and
+    `move` is also queued for the workers' caches, which replay them in order before their next
+    forward. Page allocation is deterministic, so each stage's pool then holds the same pages for
+    the same slots as the head's, and a kept sibling's K/V (and pooled keys) move on every stage."""
 
-    def __init__(self, cache, queued: list[tuple[int, int, int]]):
+    def __init__(self, cache, queued: list[tuple[int, int, int, int]]):
         self.cache, self.queued = cache, queued
 
     def ensure(self, slot: int, length: int) -> bool:
-        self.queued.append((CacheOp.ENSURE, slot, length))
+        self.queued.append((CacheOp.ENSURE, slot, length, 0))
         return self.cache.ensure(slot, length)
 
     def truncate(self, slot: int, length: int) -> None:
-        self.queued.append((CacheOp.TRUNCATE, slot, length))
+        self.queued.append((CacheOp.TRUNCATE, slot, length, 0))
         self.cache.truncate(slot, length)
+
+    def move(self, slot: int, src: int, dst: int) -> None:
+        self.queued.append((CacheOp.MOVE, slot, src, dst))
+        self.cache.move(slot, src, dst)
 
 
 class RemoteStages(nn.Module):
@@ -48,7 +53,7 @@ class RemoteStages(nn.Module):
         self.layers = nn.ModuleList()
         self.device, self.first, self.last = torch.device(device), False, False
         self.link, self.timeout, self.name_failure = link, timeout, name_failure
-        self.queued: list[tuple[int, int, int]] = []
+        self.queued: list[tuple[int, int, int, int]] = []
         self.failure: str | None = None
         self._last_sent = time.monotonic()
 

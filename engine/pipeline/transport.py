@@ -1,8 +1,9 @@
 """Messages between neighbouring ranks of the ring, as tensors over torch.distributed point-to-point.
 
 A message is a fixed header (`HEADER_SIZE` int64: the operation, the number of cache operations,
-of rows and of tokens), then its payloads: the cache operations and the rows as one int64 [C + R, 3]
-((CacheOp, slot, length), then (slot, start, tokens)) and the hidden states [N, hidden]. A receiver
+of rows, of tokens and of tree depths), then its payloads: the cache operations, the rows and the
+tree rows' depths as one int64 tensor ([C + R, 4]: (CacheOp, slot, a, b), then (slot, start,
+tokens, whether a tree), flattened, then the depths) and the hidden states [N, hidden]. A receiver
 learns every size from the header before it posts the payloads' receives. Every wait is bounded: a
 timed-out wait breaks the link for good (gloo closes the pair), which is what a hung or lost peer
 means here.
@@ -20,7 +21,7 @@ import torch.distributed as dist
 
 from engine.model.batch import Row
 
-HEADER_SIZE = 4
+HEADER_SIZE = 5
 # An idle head sends a heartbeat this often, so that its workers can tell idle from lost.
 HEARTBEAT_S = 1.0
 HEADER_TAG, PAYLOAD_TAG = 1, 2
@@ -34,9 +35,12 @@ class Op(IntEnum):
 
 
 class CacheOp(IntEnum):
-    """What a head's scheduler did to its KV cache, to be done to every stage's (kv_cache.py)."""
+    """What a head's engine did to its KV cache, to be done to every stage's (kv_cache.py), as
+    (CacheOp, slot, a, b): ENSURE and TRUNCATE a slot to length a; MOVE position a's K/V to b (a
+    kept tree sibling's)."""
     ENSURE = 1
     TRUNCATE = 2
+    MOVE = 3
 
 
 class LinkError(RuntimeError):
@@ -56,7 +60,7 @@ class LinkError(RuntimeError):
 @dataclass
 class Message:
     op: Op
-    cache_ops: list[tuple[int, int, int]] = field(default_factory=list)  # (CacheOp, slot, length)
+    cache_ops: list[tuple[int, int, int, int]] = field(default_factory=list)  # (CacheOp, slot, a, b)
     rows: list[Row] = field(default_factory=list)  # tokens are placeholders: a stage needs their count
     hidden: torch.Tensor | None = None  # [N, hidden]
 
@@ -98,10 +102,12 @@ class Link:
     def send(self, message: Message, timeout: float) -> Pending:
         """Posts the message's sends to the next rank; the tensors stay referenced until they complete."""
         n = 0 if message.hidden is None else message.hidden.shape[0]
-        header = self._long([message.op, len(message.cache_ops), len(message.rows), n])
+        depths = [d for r in message.rows if r.depths is not None for d in r.depths]
+        header = self._long([message.op, len(message.cache_ops), len(message.rows), n, len(depths)])
         payload = []
         if message.cache_ops or message.rows:  # one tensor: each message part sent costs a wait
-            payload.append(self._long([*message.cache_ops, *((r.slot, r.start, len(r.tokens)) for r in message.rows)]))
+            rows = [(r.slot, r.start, len(r.tokens), int(r.depths is not None)) for r in message.rows]
+            payload.append(self._long([v for quad in (*message.cache_ops, *rows) for v in quad] + depths))
         if n:
             payload.append(message.hidden.to(self.device).contiguous())
         try:
@@ -117,14 +123,19 @@ class Link:
         header, works = self._header or self._post_header()
         Pending(works, [header], timeout, self.prev).wait()
         self._header = self._post_header() if self.device.type == "cpu" else None
-        op, n_ops, n_rows, n = header.tolist()
+        op, n_ops, n_rows, n, n_depths = header.tolist()
         if op not in Op.__members__.values():
             raise LinkError(self.prev, f"unknown operation {op} in a message header")
-        meta = self._empty(n_ops + n_rows, 3) if n_ops + n_rows else None
+        meta = self._empty(4 * (n_ops + n_rows) + n_depths) if n_ops + n_rows else None
         hidden = self._empty(n, self.hidden_size, dtype=self.dtype) if n else None
         self._recv([p for p in (meta, hidden) if p is not None], PAYLOAD_TAG, timeout).wait()
-        triples = [tuple(t) for t in meta.tolist()] if meta is not None else []
-        return Message(Op(op), triples[:n_ops], [Row(s, start, [0] * t) for s, start, t in triples[n_ops:]], hidden)
+        values = meta.tolist() if meta is not None else []
+        quads = [tuple(values[i:i + 4]) for i in range(0, 4 * (n_ops + n_rows), 4)]
+        depths, rows = values[4 * (n_ops + n_rows):], []
+        for slot, start, t, tree in quads[n_ops:]:
+            rows.append(Row(slot, start, [0] * t, depths[:t] if tree else None))
+            depths = depths[t:] if tree else depths
+        return Message(Op(op), quads[:n_ops], rows, hidden)
 
     def post_result(self, tokens: int, timeout: float) -> Pending:
         """Posts the receives of a RESULT of `tokens` rows from the last rank (the head's side,
@@ -133,7 +144,7 @@ class Link:
         hidden = self._empty(tokens, self.hidden_size, dtype=self.dtype)
 
         def message() -> torch.Tensor:
-            if header.tolist() != [Op.RESULT, 0, 0, tokens]:
+            if header.tolist() != [Op.RESULT, 0, 0, tokens, 0]:
                 raise LinkError(self.prev, f"expected a result of {tokens} rows, got header {header.tolist()}")
             return hidden
         head = self._recv([header], HEADER_TAG, timeout)

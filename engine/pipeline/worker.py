@@ -46,17 +46,19 @@ class WorkerStage:
         self.cos, self.sin = cos.to(compute_dtype(dtype)), sin.to(compute_dtype(dtype))
         self.cache = cache_for(c, config.num_kv_heads, config.head_dim, specs, [device] * len(specs))
 
-    def apply(self, cache_ops: list[tuple[int, int, int]]) -> None:
-        for op, slot, length in cache_ops:
+    def apply(self, cache_ops: list[tuple[int, int, int, int]]) -> None:
+        for op, slot, a, b in cache_ops:
             if op == CacheOp.ENSURE:
-                self.cache.ensure(slot, length)
+                self.cache.ensure(slot, a)
+            elif op == CacheOp.TRUNCATE:
+                self.cache.truncate(slot, a)
             else:
-                self.cache.truncate(slot, length)
+                self.cache.move(slot, a, b)
 
     @torch.inference_mode()
     def run(self, rows, x: torch.Tensor) -> torch.Tensor:
         batch = ForwardBatch.build(rows)
-        return self.stage.run(x, batch, self.cos[batch.positions], self.sin[batch.positions], self.cache)
+        return self.stage.run(x, batch, self.cos[batch.rope], self.sin[batch.rope], self.cache)
 
 
 def serve(stage: WorkerStage, link: Link, timeout: float) -> None:
@@ -89,8 +91,8 @@ def worker_main(config, headers, rank) -> int:
     layers, device = placement.stage_ranges()[rank.rank], placement.devices[rank.rank]
     stage = WorkerStage(mc, headers.files.load_tensors(layers, ends=False, keep_blocks=keeps_blocks(config.dtype)), layers, device, config.dtype, config)
     log.info("pipeline stage %d (rank %d of %d): layers %d..%d on %s loaded, KV cache %.0f MiB", rank.rank,
-             rank.rank, rank.world, layers.start, layers.stop - 1, device, stage.cache.nbytes / 2**20)
-    link = Link(rank.rank, rank.world, mc.hidden_size, compute_dtype(config.dtype), join(rank, placement, rank.rank))
+             rank.rank, rank.stages, layers.start, layers.stop - 1, device, stage.cache.nbytes / 2**20)
+    link = Link(rank.rank, rank.stages, mc.hidden_size, compute_dtype(config.dtype), join(rank, placement))
     try:
         serve(stage, link, config.pipeline_timeout)
     except LinkError as e:

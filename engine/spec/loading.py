@@ -50,12 +50,14 @@ def check_draft_files(spec: SpecConfig, target: ModelConfig) -> DraftFiles:
     return DraftFiles()
 
 
-def load_drafter(spec: SpecConfig, files: DraftFiles, target_model, target_tensors: dict, dtype: str, slots: int,
-                 ctx_per_slot: int, draft_ratios: tuple[int, ...] = (), device: str = "cpu") -> Drafter:
+def load_drafter(spec: SpecConfig, files: DraftFiles, config: ModelConfig, target_tensors: dict, dtype: str,
+                 slots: int, ctx_per_slot: int, draft_ratios: tuple[int, ...] = (), device: str = "cpu",
+                 target_embed=None) -> Drafter:
     """The drafter for `spec`, its headers as check_draft_files read them, with its own cache where
-    it keeps one, all on `device`. draft_ratios: a detached MTP draft's layers' compress ratios as
-    --compress-ratios gave them (engine.preflight; empty: the file's)."""
-    config = target_model.config
+    it keeps one, all on `device`, for a target of `config` whose tensors include at least its
+    embedding. draft_ratios: a detached MTP draft's layers' compress ratios as --compress-ratios gave
+    them (engine.preflight; empty: the file's). target_embed: the target's embed_tokens where its
+    table sits on `device` (an MTP draft then embeds with it; None: with a copy of its own)."""
     if spec.type == "ngram-simple":
         return NgramDrafter(spec.ngram_n, config.vocab_size)
     if spec.runs_mtp:
@@ -68,14 +70,13 @@ def load_drafter(spec: SpecConfig, files: DraftFiles, target_model, target_tenso
         # one in a block format a draft in that format (quantized on load: the file is f32).
         draft_dtype = dtype if dtype in FORMATS else "int8" if compute_dtype(dtype) == torch.float32 else dtype
         specs = [LayerSpec.of(r, config.qsa_budget) for r in draft_ratios or header.compress_ratios]
-        # It embeds with the target's table where that sits on its device, else with a copy of its own.
-        embed = None if target_model.stages[0].device == torch.device(device) else \
-            embedding_table(config, target_tensors, dtype).to(device)
+        embed = None if target_embed is not None else embedding_table(config, target_tensors, dtype).to(device)
         draft = mtp.MTPDraft(config, mtp.load_tensors(spec.draft_model), specs, draft_dtype, ctx_per_slot, device,
                              embed)
         cache = KVCache(len(specs), slots, ctx_per_slot, config.num_kv_heads, config.head_dim, compute_dtype(dtype),
                         specs=specs, devices=[device] * len(specs))
-        drafter = MTPDrafter(draft, target_model, cache, config.vocab_size, spec.width, spec.p_sibling)
+        drafter = MTPDrafter(draft, target_embed or draft.embed_tokens, cache, config.vocab_size, spec.width,
+                             spec.p_sibling)
         return MTPNgramDrafter(drafter, spec.ngram_n) if spec.type == "draft-mtp-ngram" else drafter
     c = files.model.config
     model = Transformer(c, files.model.load_tensors(keep_blocks=keeps_blocks(dtype)), dtype,

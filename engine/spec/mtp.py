@@ -15,11 +15,11 @@ class MTPDrafter(CachedDrafter):
     """The detached MTP draft: position i of its cache holds (target hidden h_i, token x_{i+1})."""
     needs_hidden = True
 
-    def __init__(self, draft, target, cache, vocab: int, width: int = 1, p_sibling: float = 0.0):
+    def __init__(self, draft, embed_tokens, cache, vocab: int, width: int = 1, p_sibling: float = 0.0):
+        """embed_tokens: [N] ids -> [N, hidden] on the draft's device (the target's table, or the draft's copy)."""
         super().__init__(cache, vocab, width, p_sibling)
-        self.model, self.target = draft, target
+        self.model, self.embed_tokens = draft, embed_tokens
         self.vocab_ids = draft.vocab_ids
-        self.embed_tokens = target.embed_tokens if draft.embed is None else draft.embed_tokens
 
     def catch_up_rows(self, span: Span):
         ids = span.request.token_ids

@@ -121,7 +121,8 @@ def test_the_draft_streams_int8_weights_beside_a_target_computing_in_f32(target,
     save_draft(tmp_path / "draft.safetensors", config, tensors, fingerprint)
     spec = SpecConfig(pacing=False, type="draft-mtp", draft_model=str(tmp_path / "draft.safetensors"))
     model = Transformer(config, tensors, dtype, max_positions=64)
-    drafter = load_drafter(spec, check_draft_files(spec, config), model, tensors, dtype, slots=1, ctx_per_slot=64)
+    drafter = load_drafter(spec, check_draft_files(spec, config), config, tensors, dtype, slots=1, ctx_per_slot=64,
+                           target_embed=model.embed_tokens)
     layer = drafter.model.layers[0]
     assert layer.eh_proj.weight.dtype == drafter.model.head.weight.dtype == draft_weights
     assert drafter.cache.k[0].dtype == model.compute_dtype

@@ -14,7 +14,7 @@ from engine.pipeline.head import MirroredCache, micro_batches
 from engine.pipeline.ranks import Rank, from_env
 from engine.pipeline.worker import WorkerStage
 from engine.preflight import read_headers
-from engine.settings import EngineConfig
+from engine.settings import EngineConfig, SpecConfig
 
 
 def rows(*slots: int) -> list[Row]:
@@ -34,15 +34,20 @@ def test_a_worker_replaying_the_heads_cache_operations_holds_the_same_pages():
     head = PagedKVCache(1, 3, 96, 1, 4)
     worker = WorkerStage.__new__(WorkerStage)  # its cache alone: the layers play no part here
     worker.cache = PagedKVCache(1, 3, 96, 1, 4)
+    keys = torch.randn(head.k[0].shape)
+    for cache in (head, worker.cache):
+        cache.k[0].copy_(keys)
     queued: list = []
     mirrored = MirroredCache(head, queued)
     assert mirrored.ensure(0, 20) and mirrored.ensure(1, 17) and mirrored.ensure(2, 5)
     assert not mirrored.ensure(2, 40)  # the pool is short: nothing taken
     mirrored.truncate(0, 3)
     assert mirrored.ensure(2, 30)
+    mirrored.move(1, 16, 12)  # a kept tree sibling's K/V
     worker.apply(queued)
     assert worker.cache.pool.pages == head.pool.pages and worker.cache.pool.free == head.pool.free
     assert all(torch.equal(a, b) for a, b in zip(worker.cache._index, head._index))
+    assert torch.equal(worker.cache.k[0], head.k[0]) and not torch.equal(head.k[0], keys)
 
 
 def test_ranks_come_from_torchruns_environment():
@@ -51,6 +56,11 @@ def test_ranks_come_from_torchruns_environment():
     assert from_env(2, {}) is None  # not started by torchrun: the head starts its workers
     with pytest.raises(ConfigError, match=r"pipeline_parallel_size=3: must equal the WORLD_SIZE=2"):
         from_env(3, env)
+    # With the draft on a rank of its own, the world is one larger, and its last rank is the draft.
+    assert from_env(1, env, draft=True) == Rank(1, 2, "env://", True) and Rank(1, 2, "env://", True).is_draft
+    with pytest.raises(ConfigError, match=r"pipeline_parallel_size=2 with spec_draft_rank: must be one less than the "
+                                          r"WORLD_SIZE=2"):
+        from_env(2, env, draft=True)
 
 
 @pytest.fixture(scope="module")
@@ -64,6 +74,8 @@ def tiny(tmp_path_factory) -> str:
     ({"pipeline_parallel_size": 2, "devices": ("cpu", "cpu", "cpu")},
      r"devices='cpu,cpu,cpu': with pipeline_parallel_size=2, must list one device per stage \(2\)"),
     ({"pipeline_parallel_size": 2, "layer_split": (1, 1)}, r"layer_split='1,1': must sum to the model's 3"),
+    ({"draft_rank": True}, r"spec_draft_rank=True: needs a draft model to place .*not spec_type=none"),
+    ({"draft_rank": True, "spec": SpecConfig(type="ngram-simple")}, r"not spec_type=ngram-simple"),
 ])
 def test_bad_pipelines_are_refused_before_loading(tiny, fields, message):
     with pytest.raises(ConfigError, match=message):

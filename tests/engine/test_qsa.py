@@ -186,7 +186,8 @@ def test_only_qsa_layers_own_a_pool_and_a_dense_draft_layer_beside_them_owns_non
     fingerprint = mtp.target_fingerprint(config, tensors["model.embed_tokens.weight"])
     save_draft(tmp_path / "draft.safetensors", config, tensors, fingerprint)
     spec = SpecConfig(pacing=False, type="draft-mtp", draft_model=str(tmp_path / "draft.safetensors"))
-    drafter = load_drafter(spec, check_draft_files(spec, config), model, tensors, "f32", slots=2, ctx_per_slot=64)
+    drafter = load_drafter(spec, check_draft_files(spec, config), config, tensors, "f32", slots=2, ctx_per_slot=64,
+                           target_embed=model.embed_tokens)
     assert drafter.model.layers[0].block.self_attn.spec.kind == "dense"
     assert drafter.cache.kpool == [None]
 

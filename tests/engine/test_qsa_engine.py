@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import save_file
 
 from engine.cli.tiny import tiny_config, write_tiny_model
 from engine.engine import Engine
@@ -21,12 +22,16 @@ from tests.engine.test_mtp import save_draft
 from tests.exact_tokens import assert_same_greedy
 
 EVERY4 = CompressRatios.parse("every4:4")
+NOISE = 0.5  # of each tensor's spread: the noisy draft's
 GREEDY = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
 
 
 def write_llama8_with_drafts(folder: Path) -> Path:
     """An eight-layer tiny Llama in `folder`, with two untrained MTP drafts for it (most of their
-    drafts are rejected): draft.safetensors (a dense layer) and qsa-draft.safetensors (QSA r=4)."""
+    drafts are rejected): draft.safetensors (a dense layer) and qsa-draft.safetensors (QSA r=4); and
+    noisy/, a draft model (draft-simple) that is the target with noise on every weight, whose top-1
+    token is often the target's and, when not, often its second or third: a draft whose trees keep
+    siblings."""
     config = tiny_config("llama", num_hidden_layers=8)
     path = write_tiny_model(config, folder, seed=0)
     files = open_model(path)
@@ -35,6 +40,10 @@ def write_llama8_with_drafts(folder: Path) -> Path:
     draft = save_draft(path / "draft.safetensors", files.config, tensors, fingerprint)
     mtp.save(path / "qsa-draft.safetensors", draft, num_layers=1, fingerprint=fingerprint, target_name="tiny",
              compress_ratios=(4,))
+    noisy = write_tiny_model(config, path / "noisy", seed=0)
+    generator = torch.Generator().manual_seed(1)
+    save_file({name: t + NOISE * t.std() * torch.randn(t.shape, generator=generator) for name, t in tensors.items()},
+              str(noisy / "model.safetensors"), metadata={"format": "pt"})
     return path
 
 
@@ -47,20 +56,31 @@ def target(tmp_path_factory):
 PROMPTS = [[(7 * i + j) % 300 + 10 for j in range(30 + 9 * i)] for i in range(2)]  # 30 and 39 tokens, budget 8
 
 
-@pytest.mark.parametrize("drafter", ["dense draft", "qsa draft"])
+SHAPES = {"dense draft": {}, "qsa draft": {},
+          # Trees of siblings: a kept sibling's K/V moves down, and the pooled key of its block with it.
+          "noisy draft, trees": dict(width=3), "noisy draft, trees, unified q8_0 cache": dict(width=3, q8_unified=True)}
+
+
+@pytest.mark.parametrize("drafter", list(SHAPES))
 def test_speculative_greedy_with_qsa_equals_plain_greedy_past_the_budget(target, drafter):
     path, dense_draft, qsa_draft = target
-    plain = Engine.load(EngineConfig(model=str(path), ctx_size=256, parallel=2, compress_ratios=EVERY4, qsa_budget=8))
-    spec = SpecConfig(pacing=False, type="draft-mtp", draft_model=str(dense_draft if drafter == "dense draft" else qsa_draft),
-                      n_max=3, p_min=0.0)
-    speculative = Engine.load(EngineConfig(model=str(path), ctx_size=256, parallel=2, compress_ratios=EVERY4,
-                                           qsa_budget=8, spec=spec))
+    shape = dict(SHAPES[drafter])
+    cache = dict(kv_unified=True, ctx_size=512, cache_type="q8_0") if shape.pop("q8_unified", False) else {}
+    base = {"model": str(path), "ctx_size": 256, "parallel": 2, "compress_ratios": EVERY4, "qsa_budget": 8, **cache}
+    plain = Engine.load(EngineConfig(**base))
+    draft = {"dense draft": ("draft-mtp", dense_draft), "qsa draft": ("draft-mtp", qsa_draft)}.get(
+        drafter, ("draft-simple", path / "noisy"))
+    spec = SpecConfig(pacing=False, type=draft[0], draft_model=str(draft[1]), n_max=3, p_min=0.0, p_sibling=0.0,
+                      **shape)
+    speculative = Engine.load(EngineConfig(**base, spec=spec))
     if drafter == "qsa draft":
         assert speculative.drafter.cache.kpool[0] is not None
     expected = [r.output_ids for r in run_all(plain, PROMPTS, GREEDY)]
     got = run_all(speculative, PROMPTS, GREEDY)
     assert [r.output_ids for r in got] == expected
     assert sum(r.draft_n - r.draft_n_accepted for r in got) > 0, "no draft was rejected: nothing was rewritten"
+    if "trees" in drafter:
+        assert speculative.stats.siblings_kept > 0, "no sibling was kept: no move was tested"
 
 
 @pytest.fixture(scope="module")
@@ -99,9 +119,9 @@ def test_pool_inputs_are_built_for_qsa_layers_only_beside_a_dense_draft(target, 
     seen = []
     real = engine.model.qsa.sparse_keys
 
-    def sparse_keys(q, keys, values, kpool, positions, layer_spec):
+    def sparse_keys(q, keys, values, kpool, positions, layer_spec, mask=None):
         seen.append(layer_spec)
-        return real(q, keys, values, kpool, positions, layer_spec)
+        return real(q, keys, values, kpool, positions, layer_spec, mask)
     monkeypatch.setattr(engine.model.qsa, "sparse_keys", sparse_keys)
     run_all(eng, PROMPTS, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     assert seen and all(s.is_qsa for s in seen)

@@ -5,6 +5,7 @@ turns /health non-200 within 10 s; the head takes its workers with it, however i
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -50,17 +51,26 @@ def one_process(start_server, llama8):
 
 
 # --spec-max-batch 0: both slots draft while both decode (the server pauses drafts past one by default).
-UNIFIED_MTP = ["--kv-unified", "--spec-type", "draft-mtp", "--spec-draft-p-min", "0", "--spec-max-batch", "0"]
+MTP = ["--spec-type", "draft-mtp", "--spec-draft-p-min", "0", "--spec-max-batch", "0"]
+# Trees of siblings: a kept sibling's K/V move travels to every stage with the next micro-batch
+# (the target with noise on its weights drafts: its trees keep siblings, an untrained MTP's do not).
+TREES = ["--spec-type", "draft-simple", "--spec-draft-p-min", "0", "--spec-max-batch", "0", "--spec-draft-width", "3",
+         "--spec-draft-p-sibling", "0"]
+
+
+def siblings_kept(server) -> int:
+    with server.client() as c:
+        return int(re.search(r"^tandem:draft_siblings_kept_total (\d+)$", c.get("/metrics").text, re.M).group(1))
 
 
 @pytest.mark.parametrize("extra, layers", [
     (["-pp", "2"], [[0, 4], [4, 8]]),
-    (["-pp", "2", *UNIFIED_MTP], [[0, 4], [4, 8]]),
-    (["-pp", "3", "--layer-split", "2,3,3", "--pipeline-depth", "2"], [[0, 2], [2, 5], [5, 8]]),
-], ids=["per-slot", "unified+mtp", "three-stages"])
+    (["-pp", "2", "--kv-unified", *MTP, "--spec-draft-rank"], [[0, 4], [4, 8]]),
+    (["-pp", "3", "--layer-split", "2,3,3", "--pipeline-depth", "2", *TREES], [[0, 2], [2, 5], [5, 8]]),
+], ids=["per-slot", "unified+mtp, the draft on rank 2", "three-stages+trees"])
 def test_stages_in_processes_give_the_tokens_of_one_process(start_server, llama8, one_process, extra, layers):
     if "--spec-type" in extra:
-        extra = [*extra, "-md", str(llama8 / "draft.safetensors")]
+        extra = [*extra, "-md", str(llama8 / ("noisy" if "draft-simple" in extra else "draft.safetensors"))]
     server = start_server(["-m", str(llama8), *COMMON, *extra])
     try:
         got = complete_both(server)
@@ -69,8 +79,11 @@ def test_stages_in_processes_give_the_tokens_of_one_process(start_server, llama8
             probes = [c.post("/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 2, "attention_probe": {
                 "layers": [layer], "kind": "head_mean", "query": "last"}}) for layer in (0, layers[-1][0])]
         log = server.log_text()
+        kept = siblings_kept(server)
     finally:
         server.kill()
+    if "--spec-draft-width" in extra:
+        assert kept > 0, "no sibling was kept: no move crossed the stages"
     for mine, theirs in zip(got, one_process):
         assert mine["text"] == theirs["text"]
         assert mine["logprobs"]["token_logprobs"] == pytest.approx(theirs["logprobs"]["token_logprobs"], abs=1e-4)
@@ -80,6 +93,8 @@ def test_stages_in_processes_give_the_tokens_of_one_process(start_server, llama8
     assert props["pipeline_stages"] == [{"rank": r, "device": "cpu", "layers": span} for r, span in enumerate(layers)]
     last = len(layers) - 1
     assert f"pipeline stage {last} (rank {last} of {len(layers)}): layers {layers[-1][0]}..7 on cpu loaded" in log
+    if "--spec-draft-rank" in extra:
+        assert props["draft_rank"] == len(layers) and "the draft (rank 2 of 3): draft-mtp on cpu loaded" in log
     # The head's own layers can be probed; a worker's are refused, naming the field and the rule.
     assert probes[0].status_code == 200 and probes[0].json()["attention_probe"]
     assert probes[1].status_code == 400
@@ -89,19 +104,46 @@ def test_stages_in_processes_give_the_tokens_of_one_process(start_server, llama8
 
 def test_qsa_layers_on_both_stages_give_the_tokens_of_one_process(start_server, llama8):
     """Every fourth layer QSA (layers 3 and 7: one per stage), prompts past the budget: each stage
-    pools the keys of the layers it owns."""
+    pools the keys of the layers it owns, and recomputes a block's pooled key when a kept sibling
+    moves into it (trees of the MTP draft, on the split server)."""
     qsa = ["-m", str(llama8), *COMMON, "--compress-ratios", "every4:4", "--qsa-budget", "8"]
     texts = []
-    for extra in ([], ["-pp", "2"]):
+    for extra in ([], ["-pp", "2", *TREES, "-md", str(llama8 / "noisy")]):
         server = start_server([*qsa, *extra])
         try:
             texts.append(complete_both(server))
+            kept = siblings_kept(server)
         finally:
             server.kill()
+    assert kept > 0, "no sibling was kept on the split server"
     alone, split = texts
     for mine, theirs in zip(split, alone):
         assert mine["text"] == theirs["text"]
         assert mine["logprobs"]["token_logprobs"] == pytest.approx(theirs["logprobs"]["token_logprobs"], abs=1e-4)
+
+
+def test_the_draft_on_its_own_rank_samples_repeatably_and_losing_it_loses_no_request(start_server, llama8,
+                                                                                     one_process):
+    # Without pacing, whose timing-based pauses would change which steps draw drafts.
+    server = start_server(["-m", str(llama8), *COMMON, *MTP, "-md", str(llama8 / "draft.safetensors"),
+                           "--spec-draft-rank", "--no-spec-pacing"])
+    try:
+        body = {"prompt": PROMPTS[0], "max_tokens": 30, "temperature": 0.9, "seed": 7, "ignore_eos": True,
+                "cache_prompt": False}
+        with server.client() as c:
+            sampled = [c.post("/v1/completions", json=body).json() for _ in range(2)]
+        # The draft's distributions travel back whole: a seeded request repeats, drafts and all.
+        assert sampled[0]["choices"][0]["text"] == sampled[1]["choices"][0]["text"]
+        assert sampled[0]["timings"]["draft_n"] > 0
+        draft = worker_of(server)
+        os.kill(draft, signal.SIGKILL)
+        wait_until(lambda: not alive(draft), 10, "the draft rank's exit")
+        after = complete_both(server)  # greedy: the tokens of one process without the draft
+        log = server.log_text()
+    finally:
+        server.kill()
+    assert [r["text"] for r in after] == [r["text"] for r in one_process]
+    assert f"the draft (rank 1, pid {draft}) killed by signal 9; requests go on without drafts" in log
 
 
 def workers_of(server) -> list[int]:

@@ -13,7 +13,8 @@
 // q8_0 with each new key and value quantized as engine/model/kv_cache.py Q8Storage writes it. Tokens
 // of one slot at consecutive positions (a verify block, a prompt chunk) thereby attend causally.
 // A tree's verify rows give rope_positions too: a node written at positions[n] but standing at
-// rope_positions[n] attends to 0 .. rope_positions[n]-1 (the chain before it) and then itself.
+// rope_positions[n] attends to 0 .. rope_positions[n]-1 (the chain before it) and then itself; in a
+// QSA layer its budget, its visible blocks and its tail block are those of rope_positions[n].
 //
 // A QSA layer (engine/qsa.py) also keeps its pooled keys: once every row has written, each block a
 // row completed gets the mean of its keys. A row whose complete blocks fit the budget attends like
@@ -111,13 +112,15 @@ at::Tensor slot_rows(const at::Tensor& pages, int64_t s, int64_t length, int64_t
   return runs.flatten().narrow(0, 0, length);
 }
 
-// One query q [H, D] at position p past the budget, against its slot's keys and values (cache
-// entry c: [KVH, C, D]) and pooled keys [KVH, C / ratio, D]: the `keep` best complete blocks by
-// engine/qsa.py select_blocks' score (a stable sort: ties to the lower block), and the tail block
-// -> [H, D]. rows: where the slot's positions 0 .. p lie in a pool's keys (undefined: at their own
-// indices).
+// One query q [H, D] standing at position p past the budget, written at position w (p but for a
+// tree's sibling, whose key lies past its chain), against its slot's keys and values (cache entry
+// c: [KVH, C, D]) and pooled keys [KVH, C / ratio, D]: the `keep` best complete blocks by
+// engine/qsa.py select_blocks' score (a stable sort: ties to the lower block), its tail block up to
+// p - 1, and its own key at w -> [H, D]. rows: where the slot's positions 0 .. w lie in a pool's
+// keys (undefined: at their own indices).
 at::Tensor attend_selected(const at::Tensor& q, const Store& keys, const Store& values, int64_t c,
-                           const at::Tensor& pool, int64_t p, int64_t ratio, int64_t keep, const at::Tensor& rows) {
+                           const at::Tensor& pool, int64_t p, int64_t w, int64_t ratio, int64_t keep,
+                           const at::Tensor& rows) {
   const int64_t H = q.size(0), D = q.size(1), KVH = keys.data.size(1), visible = p / ratio;
   const at::Tensor qg = q.to(at::kFloat).view({KVH, H / KVH, D});
   const at::Tensor blocks = rows.defined()
@@ -130,7 +133,7 @@ at::Tensor attend_selected(const at::Tensor& q, const Store& keys, const Store& 
   const at::Tensor kept = std::get<0>(best.sort());
   const at::TensorOptions index = at::TensorOptions().dtype(at::kLong);
   const at::Tensor logical = at::cat({(kept.unsqueeze(1) * ratio + at::arange(ratio, index)).flatten(),
-                                      at::arange(visible * ratio, p + 1, index)});
+                                      at::arange(visible * ratio, p, index), at::full({1}, w, index)});
   const at::Tensor seen = rows.defined() ? rows.index_select(0, logical) : logical;
   const auto pick = [&](const at::Tensor& t) { return t[c].index_select(1, seen); };
   const at::Tensor k = keys.floats(pick), v = values.floats(pick);
@@ -138,8 +141,9 @@ at::Tensor attend_selected(const at::Tensor& q, const Store& keys, const Store& 
   return at::matmul(weights, v).view({H, D}).to(q.scalar_type());
 }
 
-// Every row's attention [N, H, D] to its slot, q [N, H, D]. A dense layer (ratio 0), and the rows of
-// a QSA layer whose p / ratio complete blocks number at most `keep`, attend positions 0 .. p in one
+// Every row's attention [N, H, D] to its slot, q [N, H, D]; row n stands at lengths[n] - 1 and is
+// written at positions[n] (last: a tree's positions, where they differ). A dense layer (ratio 0),
+// and the rows of a QSA layer whose complete blocks number at most `keep`, attend in one
 // decode_attention call; a QSA layer's other rows attend their selected blocks.
 at::Tensor attend_rows(const at::Tensor& q, const Store& kc, const Store& vc, const at::Tensor& kpool,
                        const at::Tensor& slots, const at::Tensor& positions, const at::Tensor& lengths,
@@ -153,19 +157,22 @@ at::Tensor attend_rows(const at::Tensor& q, const Store& kc, const Store& vc, co
   };
   const int64_t* sp = slots.data_ptr<int64_t>();
   const int64_t* pp = positions.data_ptr<int64_t>();
+  const int64_t* lp = lengths.data_ptr<int64_t>();
   std::vector<int64_t> within, past;
-  for (int64_t n = 0; n < q.size(0); ++n) (ratio && pp[n] / ratio > keep ? past : within).push_back(n);
+  for (int64_t n = 0; n < q.size(0); ++n) (ratio && (lp[n] - 1) / ratio > keep ? past : within).push_back(n);
   if (past.empty()) return attend(q, slots, lengths, last);
   at::Tensor out = at::empty(q.sizes(), q.options());
   if (!within.empty()) {
     const at::Tensor rows = at::tensor(within, at::kLong);
+    const c10::optional<at::Tensor> rows_last =
+        last.has_value() ? c10::optional<at::Tensor>(last->index_select(0, rows)) : c10::nullopt;
     out.index_copy_(0, rows, attend(q.index_select(0, rows), slots.index_select(0, rows), lengths.index_select(0, rows),
-                                    c10::nullopt));
+                                    rows_last));
   }
   for (const int64_t n : past) {
     const int64_t c = pages.has_value() ? 0 : sp[n];
     const at::Tensor rows = pages.has_value() ? slot_rows(*pages, sp[n], pp[n] + 1, kc.data.size(2)) : at::Tensor();
-    out[n].copy_(attend_selected(q[n], kc, vc, c, kpool[c], pp[n], ratio, keep, rows));
+    out[n].copy_(attend_selected(q[n], kc, vc, c, kpool[c], lp[n] - 1, pp[n], ratio, keep, rows));
   }
   return out;
 }
@@ -190,7 +197,7 @@ at::Tensor decoder_layers(const at::Tensor& hidden, const Weights& weights, cons
   const at::Tensor s = slots.to(at::kLong).contiguous(), p = positions.to(at::kLong).contiguous();
   const bool tree = rope_positions.has_value();
   TORCH_CHECK(!tree || rope_positions->numel() == N, "decoder_layers: one rope position per row");
-  const at::Tensor lengths = tree ? rope_positions->to(at::kLong) + 1 : p + 1;
+  const at::Tensor lengths = (tree ? rope_positions->to(at::kLong) + 1 : p + 1).contiguous();
   const c10::optional<at::Tensor> last = tree ? c10::optional<at::Tensor>(p) : c10::nullopt;
   const int64_t* sp = s.data_ptr<int64_t>();
   const int64_t* pp = p.data_ptr<int64_t>();
@@ -220,7 +227,6 @@ at::Tensor decoder_layers(const at::Tensor& hidden, const Weights& weights, cons
                                  : " and no pool: a QSA layer needs one");
     const at::Tensor kpool = pool.has_value() ? *pool : at::Tensor();
     if (ratio) {
-      TORCH_CHECK(!tree, "decoder_layers: layer ", l, " is a QSA layer: tree rows attend dense layers only");
       TORCH_CHECK(ratio >= 2 && budgets[l] % ratio == 0, "decoder_layers: layer ", l, "'s budget ", budgets[l],
                   " must be a multiple of its ratio ", ratio, " (>= 2)");
       TORCH_CHECK(kpool.dim() == 4 && kpool.is_contiguous() && kpool.scalar_type() == at::kFloat &&
