@@ -2,11 +2,19 @@
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
+import os
+import shutil
 from pathlib import Path
 
 from engine.errors import ConfigError
 from engine.files.weights import ModelFiles
+
+
+def cache_dir() -> Path:
+    """Where converted GGUF tokenizers are kept between processes."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "tandem" / "tokenizers"
 
 
 @functools.lru_cache(maxsize=4)
@@ -14,12 +22,26 @@ def _hf_tokenizer(path: Path, gguf: bool, mtime_ns: int):
     """transformers' tokenizer for a model, made once per process and file version: converting a
     GGUF vocabulary parses the whole file's metadata, seconds each time, and an engine reloaded in
     the same process (tests, the bench) would pay it again. Shared: nothing here mutates it."""
+    import transformers
     from transformers import AutoTokenizer
     # transformers logs at length while it converts a GGUF vocabulary; none of it is actionable.
     logging.getLogger("transformers").setLevel(logging.ERROR)
-    if gguf:
-        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    return AutoTokenizer.from_pretrained(str(path))
+    if not gguf:
+        return AutoTokenizer.from_pretrained(str(path))
+    # The conversion took 5.3 s of every server start on the default model, loading its result 0.3 s:
+    # it is saved once per file version (and transformers version) and loaded from there after.
+    key = f"{path.resolve()}:{path.stat().st_size}:{mtime_ns}:{transformers.__version__}"
+    saved = cache_dir() / hashlib.sha256(key.encode()).hexdigest()[:16]
+    if (saved / "tokenizer.json").is_file():
+        return AutoTokenizer.from_pretrained(str(saved))
+    hf = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    partial = saved.with_name(f"{saved.name}.{os.getpid()}.partial")
+    try:  # written aside, then renamed: a process starting meanwhile never reads half a tokenizer
+        hf.save_pretrained(str(partial))
+        partial.rename(saved)
+    except OSError:  # a read-only home, or another process renamed its copy first
+        shutil.rmtree(partial, ignore_errors=True)
+    return hf
 
 
 class Tokenizer:
