@@ -67,7 +67,7 @@ class Engine:
             torch.set_num_threads(config.threads)
         if headers is None:
             headers = read_headers(config)  # every config error is raised here, before weights are read
-        return cls(config, headers, rank, describe_loss)
+        return cls(headers.config, headers, rank, describe_loss)
 
     @property
     def drafter(self) -> Drafter | None:

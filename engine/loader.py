@@ -52,6 +52,8 @@ def load_parts(config: EngineConfig, headers: Headers, rank: Rank | None, descri
     if config.ctx_per_slot > mc.max_position_embeddings:
         log.warning("ctx per slot %d exceeds the model's trained context %d",
                     config.ctx_per_slot, mc.max_position_embeddings)
+    for line in config.adapted:
+        log.info("a default yielded: %s", line)
     tokenizer = Tokenizer.load(files, config.chat_template)
     t0 = time.perf_counter()
     # Build (or find) the CPU kernels now, not in the first request's forward: the server

@@ -7,7 +7,7 @@ server calls it before it starts listening (a bad value exits 2 with one message
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from engine.errors import ConfigError
 from engine.files.model_config import ModelConfig, with_compression
@@ -21,6 +21,7 @@ from engine.spec.loading import DraftFiles, check_draft_files
 
 @dataclass(frozen=True)
 class Headers:
+    config: EngineConfig  # the config as checked, with any default that had to yield (config.adapted)
     files: ModelFiles
     model: ModelConfig  # the target's, with --compress-ratios and --qsa-budget applied
     draft: DraftFiles | None  # the draft's headers, with speculation
@@ -29,13 +30,18 @@ class Headers:
 
 
 def read_headers(config: EngineConfig) -> Headers:
-    """Raises ConfigError naming field, value and rule."""
+    """Raises ConfigError naming field, value and rule, for values the user gave; a default that
+    cannot stand beside them yields instead (Headers.config, which says so in `adapted`)."""
     files = open_model(config.model)
     draft = check_draft_files(config.spec, files.config) if config.spec is not None else None
     model, draft_ratios = with_compression(files.config, config.compress_ratios, config.qsa_budget,
                                            draft.ratios if draft is not None else ())
     page = PAGE_SIZE
     unpaged = sorted({r for r in model.layer_ratios if r and page % r})
+    if config.kv_unified and unpaged and config.auto_slots:
+        config = replace(config, parallel=1, kv_unified=False, adapted=config.adapted + (
+            f"-np auto: 1 slot with the whole context, not {config.parallel} sharing one KV pool: compress ratio "
+            f"{unpaged[0]} does not divide the pool's page of {page} positions",))
     if config.kv_unified and unpaged:
         raise ConfigError(f"compress_ratios: ratio {unpaged[0]} must divide the KV page size {page} with kv_unified")
     stages = config.pipeline_parallel_size
@@ -53,7 +59,7 @@ def read_headers(config: EngineConfig) -> Headers:
         raise ConfigError(str(e)) from None
     check_devices(placement)
     check_fit(config, model, placement, draft, files.stored)
-    return Headers(files, model, draft, draft_ratios, placement)
+    return Headers(config, files, model, draft, draft_ratios, placement)
 
 
 def describe_cache(specs: list[LayerSpec], slots: str, kv_bytes: int, kpool_bytes: int) -> str:

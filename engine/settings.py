@@ -176,6 +176,11 @@ class EngineConfig:
     draft_device: str = "cpu"
     # The draft in a process of its own, the last rank of the group (engine/pipeline/draft_rank.py).
     draft_rank: bool = False
+    # Whether `parallel` and `kv_unified` are the server's choice (neither -np nor --kv-unified
+    # given): where a setting the user gave cannot take them, they yield (engine/preflight.py).
+    auto_slots: bool = False
+    # The defaults that yielded, and why, a line each: the load log and /props say them.
+    adapted: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         kv_types = f"must be one of {', '.join(KV_CACHE_TYPES)}"

@@ -77,6 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         # Model, draft and compression checked from their headers before the server listens, so a
         # bad one exits 2 here instead of failing the load thread later.
         headers = read_headers(engine_config)
+        engine_config = headers.config  # with any default that had to yield
         rank = ranks.from_env(engine_config.pipeline_parallel_size, draft=engine_config.draft_rank)
     except (FlagError, TandemError) as e:
         print(f"error: {e}", file=sys.stderr)

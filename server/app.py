@@ -86,6 +86,8 @@ def create_app(state: ServerState, on_load_failure: Callable[[BaseException], No
         return {
             "model_alias": s.model_name, "model_path": str(engine.files.path), "n_ctx": c.ctx_size,
             "total_slots": c.parallel, "kv_unified": c.kv_unified, "dtype": c.dtype,
+            # Defaults that yielded to the flags given, and why (engine/preflight.py).
+            "adapted": list(c.adapted),
             # Threads the engine steps with now: fewer while other processes keep its cores busy.
             "threads": engine.threads,
             "stream_interval_ms": s.settings.stream_interval * 1000,

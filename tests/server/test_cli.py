@@ -43,7 +43,7 @@ def test_a_bad_flag_is_one_message_naming_flag_value_and_rule(argv, message):
 
 def test_a_combination_of_flags_is_the_engines_to_refuse():
     with pytest.raises(ConfigError, match="spec_draft_model=None: is required"):
-        parse(["--spec-type", "mtp"])
+        parse(["-m", "x", "--spec-type", "mtp"])
 
 
 def test_the_flag_parser_imports_no_torch_and_no_engine_model_code():
@@ -97,6 +97,7 @@ def test_spec_type_none_and_another_model_without_spec_type_do_not_speculate(arg
 @pytest.mark.parametrize("argv,kind,draft", [
     (["-m", "x", "--spec-type", "mtp", "-md", "default"], "draft-mtp", str(DEFAULT_DRAFT)),
     (["--spec-type", "draft-mtp", "-md", "default"], "draft-mtp", str(DEFAULT_DRAFT)),
+    (["--spec-type", "draft-mtp"], "draft-mtp", str(DEFAULT_DRAFT)),  # the default model's draft unless -md says
     (["-md", "other.safetensors"], "draft-mtp-ngram", "other.safetensors"),  # the default model's own drafter
 ])
 def test_md_default_names_the_shipped_draft(argv, kind, draft):
@@ -117,3 +118,28 @@ def test_a_bad_spec_type_lists_none_among_the_choices():
         parse_flags(["--spec-type", "eagle"])
     assert str(e.value) == ("--spec-type='eagle': must be one of draft, draft-mtp, draft-mtp-ngram, draft-simple, mtp, "
                             "mtp-ngram, ngram, ngram-simple, none")
+
+
+@pytest.mark.parametrize("argv, slots, unified, why", [
+    (["-c", "8"], 1, False, "-np auto: 1 slot with the whole context, not 4 sharing one KV pool: a pool needs "
+                            "ctx_size >= 16, got 8"),
+    (["-b", "2"], 2, True, "-np auto: 2 slot(s), not 4: batch_size=2 holds one row per slot"),
+    (["-np", "4"], 4, False, None),
+])
+def test_the_default_slots_yield_to_the_flags_given_and_say_why(argv, slots, unified, why):
+    engine, _ = parse(["-m", "x", *argv])
+    assert (engine.parallel, engine.kv_unified) == (slots, unified)
+    assert engine.adapted == ((why,) if why else ())
+
+
+def test_a_qsa_ratio_that_splits_a_page_turns_the_default_pool_into_one_slot_and_is_refused_beside_kv_unified(tmp_path):
+    from engine.cli.tiny import tiny_config, write_tiny_model
+    from engine.preflight import read_headers
+    model = str(write_tiny_model(tiny_config("llama"), tmp_path / "m"))
+    qsa = ["-m", model, "--compress-ratios", "all:3", "--qsa-budget", "6"]
+    config = read_headers(parse(qsa)[0]).config
+    assert (config.parallel, config.kv_unified, config.ctx_per_slot) == (1, False, 4096)
+    assert config.adapted == ("-np auto: 1 slot with the whole context, not 4 sharing one KV pool: compress ratio 3 "
+                              "does not divide the pool's page of 16 positions",)
+    with pytest.raises(ConfigError, match="compress_ratios: ratio 3 must divide the KV page size 16 with kv_unified"):
+        read_headers(parse([*qsa, "--kv-unified"])[0])

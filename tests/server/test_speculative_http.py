@@ -79,7 +79,7 @@ def test_bad_speculation_flags_are_refused_before_loading(tmp_path):
     from engine.errors import ConfigError
     from server.cli import parse
     with pytest.raises(ConfigError, match=r"spec_draft_model=None: is required with spec_type=draft-mtp"):
-        parse(["--spec-type", "mtp"])
+        parse(["-m", "x", "--spec-type", "mtp"])
     with pytest.raises(ConfigError, match=r"spec_draft_n_min=5: must be in 0..spec_draft_n_max=3"):
         parse(["--spec-type", "ngram", "--spec-draft-n-min", "5"])
 
