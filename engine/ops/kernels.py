@@ -135,7 +135,7 @@ def decoder_layers(x: torch.Tensor, weights: list[torch.Tensor | None], k_cache:
     scales where it holds q8_0 (None where floats); cos, sin [N, D]. Per layer, its
     LayerSpec's ratio and budget (0 and 0 for a dense layer) and, for a QSA layer, its pooled keys
     [S, KVH, C // ratio, D] f32 (None for a dense one), which the rows' completed blocks update.
-    rope_positions: a tree's verify rows (dense layers only): token n, written at positions[n],
+    rope_positions: a tree's verify rows: token n, written at positions[n], standing at rope_positions[n],
     attends to 0 .. rope_positions[n]-1 and then itself (engine/model/batch.py tree_mask).
     pages: a unified pool's page table, as decode_attention takes it, each layer's cache then one
     pool [1, KVH, P, D] (and its pooled keys [1, KVH, P // ratio, D])."""

@@ -26,11 +26,14 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from engine.ops.quant import compute_dtype, keeps_blocks
+from engine.pipeline.ranks import join
 from engine.pipeline.transport import HEARTBEAT_S, LinkError, Op, Pending
 from engine.sched.request import Draft, Request
 from engine.sched.sampling import SamplingParams
 from engine.settings import DraftLimits, SpecConfig
 from engine.spec.drafter import Span
+from engine.spec.loading import load_drafter
 
 log = logging.getLogger("tandem.pipeline")
 
@@ -240,9 +243,6 @@ def serve_drafts(drafter, link: DraftLink, spec: SpecConfig, vocab: int, slots: 
 def draft_main(config, headers, rank) -> int:
     """The draft rank's life: load the draft (and the target's embedding it reads), meet the other
     ranks, draft until the head stops it or is lost. Returns the exit status."""
-    from engine.ops.quant import compute_dtype, keeps_blocks
-    from engine.pipeline.ranks import join
-    from engine.spec.loading import load_drafter
     if config.threads:
         torch.set_num_threads(config.threads)
     mc, placement = headers.model, headers.placement

@@ -32,7 +32,7 @@ ALLOWED = {
     "model": {"leaf", "ops", "files"},
     "sched": {"leaf", "ops", "files", "model"},
     "spec": {"leaf", "ops", "files", "model", "sched"},
-    "pipeline": {"leaf", "ops", "files", "model"},
+    "pipeline": {"leaf", "ops", "files", "model", "sched", "spec"},
     "top": {"leaf", "ops", "files", "model", "sched", "spec", "pipeline"},
     "cli": {"leaf", "ops", "files", "model", "sched", "spec", "pipeline", "top"},
 }
