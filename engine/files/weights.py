@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from engine.errors import ConfigError, WeightsError
+from engine.files.disk_cache import cache_path, partial_path
 from engine.files.model_config import ModelConfig, from_gguf_metadata, from_hf_dict
 from engine.ops.blocks import GGUF_TYPES, BlockTensor
 
@@ -82,7 +83,7 @@ class ModelFiles:
     format: str  # "hf" or "gguf"
     config: ModelConfig
     shapes: dict[str, tuple[int, ...]]
-    gguf_reader: object | None = None  # a GGUF file's memory-mapped reader, kept to read its tensors
+    gguf_tensors: list[GGUFTensor] | None = None  # a GGUF file's tensors, memory-mapped, to read them
     # A GGUF file's tensors (HF names) as stored: (ggml type number, bytes). Empty for HF models.
     stored: dict[str, tuple[int, int]] = field(default_factory=dict)
 
@@ -131,7 +132,7 @@ class ModelFiles:
                      if n.startswith(own) or (ends and not n.startswith("model.layers."))}
         if self.format == "hf":
             return _load_safetensors(self.path, names)
-        return _load_gguf(self.gguf_reader, self.config, names, keep_blocks)
+        return _load_gguf(self.gguf_tensors, self.config, names, keep_blocks)
 
 
 def open_model(path: str | Path | None) -> ModelFiles:
@@ -190,7 +191,18 @@ def _open_hf(path: Path) -> ModelFiles:
     return ModelFiles(path, "hf", config, shapes)
 
 
-def read_gguf_metadata(path: Path):
+@dataclass(frozen=True)
+class GGUFTensor:
+    """One tensor of a GGUF file, as gguf's reader gives it: its data memory-mapped in place (the
+    ggml type's raw bytes for a quantized one)."""
+    name: str
+    tensor_type: object  # gguf.GGMLQuantizationType
+    shape: tuple[int, ...]  # GGUF's order, the fastest-varying dimension first
+    data: np.ndarray
+
+
+def _read_gguf_metadata(path: Path):
+    """gguf's reader of the file, and its metadata without the vocabulary's arrays."""
     import gguf
     try:
         reader = gguf.GGUFReader(str(path))
@@ -208,6 +220,33 @@ def read_gguf_metadata(path: Path):
     return reader, meta
 
 
+def _gguf_index(path: Path) -> tuple[dict, list[GGUFTensor]]:
+    """The file's metadata and tensors. gguf's reader parses every string of the vocabulary one by
+    one, 3 s of each process's start on the default model; what tandem reads of it (the metadata,
+    and each tensor's type, shape and place in the file) is kept on disk once (engine/files/disk_cache.py)
+    and mapped from there after, in 10 ms."""
+    import gguf
+    saved = cache_path("gguf", path, importlib.metadata.version("gguf")).with_suffix(".json")
+    if saved.is_file():
+        index = json.loads(saved.read_text())
+    else:
+        reader, meta = _read_gguf_metadata(path)
+        index = {"meta": meta, "tensors": [
+            [t.name, int(t.tensor_type), [int(d) for d in t.shape], int(t.data_offset), t.data.dtype.str,
+             list(t.data.shape)] for t in reader.tensors]}
+        partial = partial_path(saved)
+        try:
+            partial.parent.mkdir(parents=True, exist_ok=True)
+            partial.write_text(json.dumps(index))
+            partial.rename(saved)
+        except OSError:  # a read-only home: the next process parses the file again
+            partial.unlink(missing_ok=True)
+    tensors = [GGUFTensor(name, gguf.GGMLQuantizationType(kind), tuple(shape),
+                          np.memmap(path, dtype=np.dtype(dtype), mode="r", offset=offset, shape=tuple(data_shape)))
+               for name, kind, shape, offset, dtype, data_shape in index["tensors"]]
+    return index["meta"], tensors
+
+
 def _open_gguf(path: Path) -> ModelFiles:
     stat = path.stat()
     return _open_gguf_version(path, stat.st_size, stat.st_mtime_ns)
@@ -215,18 +254,18 @@ def _open_gguf(path: Path) -> ModelFiles:
 
 @functools.lru_cache(maxsize=4)
 def _open_gguf_version(path: Path, size: int, mtime_ns: int) -> ModelFiles:
-    """A GGUF file's headers, read once per process and file version: parsing its metadata (the
-    vocabulary's strings with it) takes seconds, and the server's preflight, the engine and the
-    tests open the same file again and again. The reader maps the file read-only: sharing is safe."""
-    reader, meta = read_gguf_metadata(path)
-    gguf_shapes = {t.name: tuple(int(x) for x in reversed(t.shape)) for t in reader.tensors}
+    """A GGUF file's headers, read once per process and file version: the server's preflight, the
+    engine and the tests open the same file again and again. Its tensors are mapped read-only:
+    sharing is safe."""
+    meta, tensors = _gguf_index(path)
+    gguf_shapes = {t.name: tuple(reversed(t.shape)) for t in tensors}
     config = from_gguf_metadata(meta, gguf_shapes)
     shapes, stored = {}, {}
-    for t in reader.tensors:
+    for t in tensors:
         hf = hf_name_of_gguf(t.name)
         if hf is not None:
-            shapes[hf], stored[hf] = gguf_shapes[t.name], (int(t.tensor_type), int(t.n_bytes))
-    return ModelFiles(path, "gguf", config, shapes, gguf_reader=reader, stored=stored)
+            shapes[hf], stored[hf] = gguf_shapes[t.name], (int(t.tensor_type), int(t.data.nbytes))
+    return ModelFiles(path, "gguf", config, shapes, gguf_tensors=tensors, stored=stored)
 
 
 def _load_safetensors(path: Path, names: dict) -> dict[str, torch.Tensor]:
@@ -247,10 +286,11 @@ def _unpermute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, shape[0] // n_heads // 2, 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
 
 
-def _load_gguf(reader, config: ModelConfig, names: dict, keep_blocks: bool) -> dict[str, torch.Tensor | BlockTensor]:
+def _load_gguf(tensors: list[GGUFTensor], config: ModelConfig, names: dict,
+               keep_blocks: bool) -> dict[str, torch.Tensor | BlockTensor]:
     import gguf
     out, unserved = {}, []
-    for t in reader.tensors:
+    for t in tensors:
         hf = hf_name_of_gguf(t.name)
         if hf not in names:
             continue

@@ -113,3 +113,28 @@ def test_the_types_really_differ(reference):
     # agree, and the parity above would not show that each type's blocks are read right.
     q4, f32 = reference("Q4_0")[2], reference("F32")[2]
     assert (q4[:PROMPT_LEN] - f32[:PROMPT_LEN]).abs().max() > 10 * TOLERANCE
+
+
+def test_a_gguf_file_opened_from_its_saved_index_reads_as_parsed_and_a_changed_file_is_parsed_again(tmp_path,
+                                                                                                     monkeypatch):
+    from engine.files import weights
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    path = tmp_path / "tiny.gguf"
+    write_gguf(path, Q.Q4_1)
+
+    def opened():
+        weights._open_gguf_version.cache_clear()  # as a new process would
+        files = weights.open_model(str(path))
+        return files, files.load_tensors(keep_blocks=True)
+    parsed, parsed_tensors = opened()
+    saved = list((tmp_path / "cache" / "tandem" / "gguf").glob("*.json"))
+    assert len(saved) == 1
+    read, read_tensors = opened()
+    assert (read.config, read.shapes, read.stored) == (parsed.config, parsed.shapes, parsed.stored)
+    assert read_tensors.keys() == parsed_tensors.keys()
+    for name, t in parsed_tensors.items():
+        assert torch.equal(getattr(t, "data", t), getattr(read_tensors[name], "data", read_tensors[name])), name
+    write_gguf(path, Q.Q4_1, seed=1)  # another file at the same path: its own index
+    changed, changed_tensors = opened()
+    assert len(list(saved[0].parent.glob("*.json"))) == 2
+    assert not torch.equal(changed_tensors["model.norm.weight"], parsed_tensors["model.norm.weight"])
