@@ -7,14 +7,15 @@ Options: weight format {f32, int8, auto} x speculation {none, draft-mtp, draft-m
 chain and as trees of width 3} x attention {dense, QSA every4:4 under a budget the prompts exceed}
 x slots {one, 4 sharing a pool with 2 requests at once} x processes {one, -pp 2} x devices {one,
 `--devices cpu,cpu`}. The f32 and int8 cells run the eight-layer tiny Llama and its untrained MTP
-draft (most drafts rejected: the rollback and the trees' moves are exercised every step); `auto`
-is the default model's own Q4_1 file (on the tiny model's f32 file it is f32 again), in two cells
-here, and in the README's commands (tests/test_readme.py) and the seed's profile
-(tests/proxy/test_seed_profile.py) beside them.
+draft (most drafts rejected: the rollback is exercised every step); `auto` is the default model's
+own Q4_1 file (on the tiny model's f32 file it is f32 again), in a cell here with its trained draft,
+whose trees keep siblings, and in the README's commands (tests/test_readme.py) and the seed's
+profile (tests/proxy/test_seed_profile.py) beside it.
 """
 from __future__ import annotations
 
 import itertools
+import re
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -89,8 +90,8 @@ PAIRWISE = [  # every pair of the tiny model's options at least once (checked be
 CELLS = PAIRWISE + [
     # The seed's shape: a QSA trunk beside a dense MTP draft, 2 slots, 2 stages, the draft on its own rank.
     Cell("f32", "draft-mtp", True, "2 slots", "-pp 2", "cpu", draft_rank=True),
+    # The default model's trained draft keeps siblings: trees over QSA layers across two stages.
     Cell("auto", "draft-mtp-ngram, width 3", True, "4 unified slots", "-pp 2", "cpu"),
-    Cell("auto", "none", False, "1 slot", "1 process", "cpu,cpu"),
 ]
 
 
@@ -158,6 +159,7 @@ def test_each_cell_starts_serves_and_answers_plain_greedys_tokens(start_server, 
             answers = list(pool.map(lambda p: chat(server, p), PROMPTS))
         with server.client() as c:
             props = c.get("/props").json()
+            metrics = c.get("/metrics").text
     finally:
         server.kill()
     for answer, prompt_ids, want in zip(answers, ids, expected):
@@ -169,3 +171,6 @@ def test_each_cell_starts_serves_and_answers_plain_greedys_tokens(start_server, 
     assert props["stages"] == (2 if cell.processes == "-pp 2" or cell.devices == "cpu,cpu" else 1)
     assert props["speculative"]["type"] == (None if cell.spec == "none" else cell.spec.split(",")[0])
     assert props["draft_rank"] == (2 if cell.draft_rank else None if cell.spec == "none" else 0)
+    if cell.model == "default" and "width" in cell.spec:
+        kept = re.search(r"^tandem:draft_siblings_kept_total (\d+)$", metrics, re.M)
+        assert int(kept.group(1)) > 0, "no sibling was kept: no tree's move was served"

@@ -63,11 +63,11 @@ def siblings_kept(server) -> int:
         return int(re.search(r"^tandem:draft_siblings_kept_total (\d+)$", c.get("/metrics").text, re.M).group(1))
 
 
+# -pp 2 without speculation, and beside QSA layers, are cells of tests/server/test_combinations.py.
 @pytest.mark.parametrize("extra, layers", [
-    (["-pp", "2"], [[0, 4], [4, 8]]),
     (["-pp", "2", "--kv-unified", *MTP, "--spec-draft-rank"], [[0, 4], [4, 8]]),
     (["-pp", "3", "--layer-split", "2,3,3", "--pipeline-depth", "2", *TREES], [[0, 2], [2, 5], [5, 8]]),
-], ids=["per-slot", "unified+mtp, the draft on rank 2", "three-stages+trees"])
+], ids=["unified+mtp, the draft on rank 2", "three-stages+trees"])
 def test_stages_in_processes_give_the_tokens_of_one_process(start_server, llama8, one_process, extra, layers):
     if "--spec-type" in extra:
         extra = [*extra, "-md", str(llama8 / ("noisy" if "draft-simple" in extra else "draft.safetensors"))]
@@ -100,26 +100,6 @@ def test_stages_in_processes_give_the_tokens_of_one_process(start_server, llama8
     assert probes[1].status_code == 400
     message = probes[1].json()["error"]["message"]
     assert "attention_probe.layers" in message and "probes need a single process" in message
-
-
-def test_qsa_layers_on_both_stages_give_the_tokens_of_one_process(start_server, llama8):
-    """Every fourth layer QSA (layers 3 and 7: one per stage), prompts past the budget: each stage
-    pools the keys of the layers it owns, and recomputes a block's pooled key when a kept sibling
-    moves into it (trees of the MTP draft, on the split server)."""
-    qsa = ["-m", str(llama8), *COMMON, "--compress-ratios", "every4:4", "--qsa-budget", "8"]
-    texts = []
-    for extra in ([], ["-pp", "2", *TREES, "-md", str(llama8 / "noisy")]):
-        server = start_server([*qsa, *extra])
-        try:
-            texts.append(complete_both(server))
-            kept = siblings_kept(server)
-        finally:
-            server.kill()
-    assert kept > 0, "no sibling was kept on the split server"
-    alone, split = texts
-    for mine, theirs in zip(split, alone):
-        assert mine["text"] == theirs["text"]
-        assert mine["logprobs"]["token_logprobs"] == pytest.approx(theirs["logprobs"]["token_logprobs"], abs=1e-4)
 
 
 def test_the_draft_on_its_own_rank_samples_repeatably_and_losing_it_loses_no_request(start_server, llama8,

@@ -1,7 +1,7 @@
 """The shape tandem is built for, through HTTP: a trunk with QSA r=4 on every fourth layer, a
 detached MTP draft beside it, two slots decoding at once, prompts past the budget. It starts (the
 known failure of this shape elsewhere was a crash at startup), serves, and speculation stays
-lossless; a draft whose own layer is QSA serves too."""
+lossless with a draft whose own layer is QSA."""
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
@@ -44,9 +44,9 @@ def plain_texts(start_server, llama8):
         server.kill()
 
 
-@pytest.mark.parametrize("draft", ["draft.safetensors", "qsa-draft.safetensors"])
-def test_qsa_trunk_with_an_mtp_draft_serves_two_slots_losslessly(start_server, llama8, plain_texts, draft):
-    server = start_server(["-m", str(llama8), *QSA, "--spec-type", "draft-mtp", "-md", str(llama8 / draft),
+# A dense draft beside the QSA trunk is a cell of tests/server/test_combinations.py.
+def test_qsa_trunk_with_a_qsa_mtp_draft_serves_two_slots_losslessly(start_server, llama8, plain_texts):
+    server = start_server(["-m", str(llama8), *QSA, "--spec-type", "draft-mtp", "-md", str(llama8 / "qsa-draft.safetensors"),
                            "--spec-draft-p-min", "0", "--spec-max-batch", "0"])  # both slots draft at once
     try:
         results = complete_both(server)
