@@ -30,3 +30,16 @@ def assert_same_greedy(got: list[int], expected: list[int], prompt_ids: list[int
     gap = float(top2[0] - top2[1])
     assert gap < NEAR_TIE, (f"first difference at generated token {i} (got {got[i]}, expected {expected[i]}) "
                             f"is not a near-tie: reference top-2 logit gap {gap:.4g} >= {NEAR_TIE}")
+
+
+def next_token_logits(model) -> Callable[[list[int]], torch.Tensor]:
+    """reference_logits for assert_same_greedy from one of tandem's Transformers: a fresh prefill
+    of the ids, in one row, on its own cache."""
+    from engine.model.batch import ForwardBatch, Row
+    from engine.model.kv_cache import KVCache
+
+    def logits(ids: list[int]) -> torch.Tensor:
+        c = model.config
+        cache = KVCache(c.num_layers, 1, len(ids), c.num_kv_heads, c.head_dim, specs=model.specs)
+        return model.logits(model(ForwardBatch.build([Row(0, 0, ids)]), cache)[-1:])[0]
+    return logits

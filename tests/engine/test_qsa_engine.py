@@ -13,13 +13,11 @@ from engine.cli.tiny import tiny_config, write_tiny_model
 from engine.engine import Engine
 from engine.files.weights import open_model
 from engine.model import mtp
-from engine.model.batch import ForwardBatch, Row
-from engine.model.kv_cache import KVCache
 from engine.sched.sampling import SamplingParams
 from engine.settings import CompressRatios, EngineConfig, SpecConfig
 from tests.engine.runs import run_all
 from tests.engine.test_mtp import save_draft
-from tests.exact_tokens import assert_same_greedy
+from tests.exact_tokens import assert_same_greedy, next_token_logits
 
 EVERY4 = CompressRatios.parse("every4:4")
 NOISE = 0.5  # of each tensor's spread: the noisy draft's
@@ -93,19 +91,13 @@ def default_qsa():
 def test_unified_and_q8_caches_with_qsa_give_the_per_slot_f32_greedy_tokens(default_qsa, variant):
     other = Engine.load(EngineConfig(**{"model": "default", "ctx_size": 512, "parallel": 1,
                                         "compress_ratios": EVERY4, "qsa_budget": 64, **variant}))
-    model = default_qsa.model
-    c = model.config
-
-    def reference_logits(ids: list[int]) -> torch.Tensor:
-        cache = KVCache(c.num_layers, 1, len(ids), c.num_kv_heads, c.head_dim, specs=model.specs)
-        return model.logits(model(ForwardBatch.build([Row(0, 0, ids)]), cache)[-1:])[0]
-
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     text = "The history of the lighthouse begins with fires on hills. " * 12  # past the budget of 64 positions
     ids = default_qsa.tokenizer.encode(text)
     assert len(ids) > 2 * 64
     expected = run_all(default_qsa, [ids], params)[0].output_ids
-    assert_same_greedy(run_all(other, [ids], params)[0].output_ids, expected, ids, reference_logits)
+    assert_same_greedy(run_all(other, [ids], params)[0].output_ids, expected, ids,
+                       next_token_logits(default_qsa.model))
 
 
 def test_pool_inputs_are_built_for_qsa_layers_only_beside_a_dense_draft(target, monkeypatch):

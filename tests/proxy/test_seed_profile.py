@@ -12,9 +12,8 @@ from engine.sched.sampling import SamplingParams
 from engine.settings import CompressRatios, EngineConfig
 from tests.engine.runs import run_all
 from tests.engine.test_generation import chat_ids
-from tests.exact_tokens import assert_same_greedy
+from tests.exact_tokens import assert_same_greedy, next_token_logits
 from tests.proxy.conftest import sse_events
-from tests.server.test_combinations import _next_logits
 
 TOKENS = 24
 # Forty numbered sentences: about 900 tokens, well past the profile's budget of 512 positions.
@@ -46,4 +45,4 @@ def test_the_seed_profile_loads_by_job_and_streams_a_chat_past_its_qsa_budget(ma
     ids = chat_ids(engine, DOCUMENT + QUESTION)
     expected = run_all(engine, [ids], SamplingParams(temperature=0, max_tokens=TOKENS, ignore_eos=True))[0].output_ids
     assert len(got) == TOKENS
-    assert_same_greedy(got, expected, ids, _next_logits(engine))
+    assert_same_greedy(got, expected, ids, next_token_logits(engine.model))

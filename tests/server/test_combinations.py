@@ -20,17 +20,14 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import pytest
-import torch
 
 from engine.engine import Engine
-from engine.model.batch import ForwardBatch, Row
-from engine.model.kv_cache import KVCache
 from engine.sched.sampling import SamplingParams
 from engine.settings import CompressRatios, EngineConfig
 from tests.engine.runs import run_all
 from tests.engine.test_generation import chat_ids
 from tests.engine.test_qsa_engine import write_llama8_with_drafts
-from tests.exact_tokens import assert_same_greedy
+from tests.exact_tokens import assert_same_greedy, next_token_logits
 
 TOKENS = 24
 PROMPTS = ["Tell me about the tide that comes in twice a day and leaves shells along the sand of the bay.",
@@ -126,19 +123,9 @@ def plain(tiny_path):
             assert all(len(i) > 2 * BUDGET[cell.model] for i in ids)
             answers = [r.output_ids for r in
                        run_all(engine, ids, SamplingParams(temperature=0, max_tokens=TOKENS, ignore_eos=True))]
-            references[key] = ids, answers, _next_logits(engine)
+            references[key] = ids, answers, next_token_logits(engine.model)
         return references[key]
     return reference
-
-
-def _next_logits(engine: Engine):
-    model = engine.model
-
-    def logits(ids: list[int]) -> torch.Tensor:
-        c = model.config
-        cache = KVCache(c.num_layers, 1, len(ids), c.num_kv_heads, c.head_dim, specs=model.specs)
-        return model.logits(model(ForwardBatch.build([Row(0, 0, ids)]), cache)[-1:])[0]
-    return logits
 
 
 def chat(server, prompt: str) -> dict:
