@@ -23,11 +23,12 @@ from engine.pipeline.draft_rank import RemoteDrafter
 from engine.pipeline.head import PipelineError, RemoteStages
 from engine.pipeline.ranks import Rank
 from engine.preflight import Headers, read_headers
+from engine.sched.grammar import Constraint, Grammars
 from engine.sched.request import Draft, Request, Status, StepOutput
 from engine.sched.sampling import SamplingParams, choose, logprob_entry, make_generator
 from engine.sched.scheduler import PlannedRow
 from engine.settings import DraftLimits, EngineConfig
-from engine.spec.acceptance import verify
+from engine.spec.acceptance import draft_paths, verify
 from engine.spec.drafter import Drafter, Span
 from engine.spec.runner import DraftRunner
 from engine.stats import EngineStats, SlotInfo, slot_infos
@@ -49,6 +50,7 @@ class Engine:
         self.admission = Admission(config.ctx_per_slot, self.placement.num_layers, head)
         self.drafting = None if parts.drafter is None else DraftRunner(parts.drafter, config.spec.max_batch, self._fail,
                                                                          pacing=config.spec.pacing)
+        self.grammars = Grammars(self.tokenizer.hf, self.model.config.vocab_size, self.eos_ids)
         self.stats = EngineStats()
         self.threads = config.threads or torch.get_num_threads()  # what the engine thread steps with now
         self.cores = CoreShare(config.threads)
@@ -83,16 +85,18 @@ class Engine:
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, on_output, *, request_id: str | None = None,
                cache_prompt: bool = True, pinned_slot: int | None = None, probe: ProbeSpec | None = None,
-               draft_limits: DraftLimits | None = None) -> Request:
+               draft_limits: DraftLimits | None = None, constraint: Constraint | None = None) -> Request:
         """Queue a request; the caller has validated it fits (self.admission.check_prompt), its
         probe (check_probe) and its draft limits (SpecConfig.request_limits; None: the server's). A probe
-        that needs q before the last prompt token runs the prompt whole."""
+        that needs q before the last prompt token runs the prompt whole. constraint: a fresh matcher
+        of self.grammars that the request's tokens follow."""
         capture = None if probe is None else ProbeCapture.start(probe, self.model.config.num_layers, len(prompt_ids))
         spec = self.config.spec
         req = Request(request_id or uuid.uuid4().hex, prompt_ids, params, on_output,
                       cache_prompt=cache_prompt and not (probe is not None and probe.recomputes),
                       pinned_slot=pinned_slot, generator=make_generator(params.seed), probe=capture,
-                      draft_limits=draft_limits or (spec.limits if spec is not None else None))
+                      draft_limits=draft_limits or (spec.limits if spec is not None else None),
+                      constraint=constraint)
         self._inbox.put(("add", req))
         self._wake.set()
         return req
@@ -238,10 +242,11 @@ class Engine:
         kept = None  # the row's tokens committed, by index, where they are not its first ones
         if p.decodes:
             draft, req.draft = req.draft, Draft()
-            verdict = verify(draft, out.logits[at:at + len(tokens)], req.params, req.token_ids, req.generator)
-            if draft.tokens:
-                req.count_drafts(len(draft.tokens), verdict.accepted)
-                self.stats.count_drafts(len(draft.tokens), verdict.accepted)
+            masks = None if req.constraint is None else req.constraint.masks(draft_paths(draft))
+            verdict = verify(draft, out.logits[at:at + len(tokens)], req.params, req.token_ids, req.generator, masks)
+            if draft.drafted:
+                req.count_drafts(draft.drafted, verdict.accepted)
+                self.stats.count_drafts(draft.drafted, verdict.accepted)
             if verdict.rows[-1] != verdict.accepted:  # a sibling was kept: its K/V moves to its place
                 kept = torch.tensor(verdict.rows)
                 self.stats.siblings_kept += 1
@@ -251,8 +256,9 @@ class Engine:
         else:
             self.scheduler.commit(req, tokens)
             if p.samples:
-                self._emit(req, [choose(out.logits[at], req.params, req.token_ids, req.generator)], out.logits, [at],
-                           out.now)
+                mask = None if req.constraint is None else req.constraint.masks([[]])[0]
+                self._emit(req, [choose(out.logits[at], req.params, req.token_ids, req.generator, mask)], out.logits,
+                           [at], out.now)
         if self.drafting is None or req.status is not Status.RUNNING:
             return None
         start = out.starts[i]
@@ -264,6 +270,10 @@ class Engine:
         gave token j. The rows are read only for logprobs: a gather of whole vocabulary rows for
         every token cost the served loop 5% of its time."""
         new, reason = req.take(tokens, self.eos_ids, self.config.ctx_per_slot, now)
+        if req.constraint is not None:
+            req.constraint.advance(new)
+            if reason is None and req.constraint.done:
+                reason = "stop"
         logprobs = None
         if req.params.logprobs is not None:
             logprobs = [logprob_entry(logits[row], t, req.params.logprobs) for row, t in zip(rows, new)]

@@ -4,13 +4,16 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
 from engine.model.probe import LayerProbe, ProbeCapture
 from engine.sched.sampling import SamplingParams
 from engine.settings import DraftLimits
+
+if TYPE_CHECKING:
+    from engine.sched.grammar import Constraint
 
 
 class Status(enum.Enum):
@@ -39,10 +42,19 @@ class Draft:
     """Tokens proposed to follow a request's last token, in order, and when the request samples
     the distributions they were drawn from. Siblings make it a small tree: (depth, token) is an
     alternative to tokens[depth] after tokens[:depth], verified in the same forward and tried, in
-    order, only where tokens[depth] is rejected. A sibling is deterministic (its q is one-hot)."""
+    order, only where tokens[depth] is rejected. A sibling is deterministic (its q is one-hot).
+    A draft a grammar cut (engine.sched.grammar) ends before the chain token it refused: siblings
+    may stand at depth len(tokens), and the refused token's distribution is kept for acceptance."""
     tokens: list[int] = field(default_factory=list)
     q: torch.Tensor | None = None  # [len(tokens), vocab]
     siblings: list[tuple[int, int]] = field(default_factory=list)
+    cut: bool = False  # a grammar refused tokens[len(tokens)] as drafted, and cut it off
+    refused_q: torch.Tensor | None = None  # [vocab]: the cut token's q, when the request samples
+
+    @property
+    def drafted(self) -> int:
+        """Tokens the drafter proposed along the chain, a refused one included."""
+        return len(self.tokens) + self.cut
 
     @property
     def row(self) -> list[int]:
@@ -80,6 +92,7 @@ class Request:
     draft_limits: DraftLimits | None = None  # set by Engine.submit when the engine drafts
     generator: torch.Generator | None = None
     probe: ProbeCapture | None = None  # an attention probe, capturing while the prompt runs
+    constraint: "Constraint | None" = None  # a grammar its tokens follow (engine.sched.grammar)
     n_prompt: int = field(init=False)
     status: Status = field(default=Status.WAITING, init=False)
     slot: int | None = field(default=None, init=False)  # the slot it runs in, while it runs

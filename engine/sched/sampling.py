@@ -126,11 +126,18 @@ def sample(probs: torch.Tensor, generator: torch.Generator) -> int:
     return i if i < len(probs) else int(torch.nonzero(probs).max())
 
 
-def choose(logits: torch.Tensor, params: SamplingParams, history: list[int], generator: torch.Generator) -> int:
-    """One token from one row of logits."""
+def constrained(logits: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """One row of logits [vocab] with the tokens a grammar's mask [vocab] bool refuses at -inf,
+    after any adjustment: no bias can lift a refused token over an allowed one."""
+    return logits if mask is None else logits.masked_fill(~mask, -math.inf)
+
+
+def choose(logits: torch.Tensor, params: SamplingParams, history: list[int], generator: torch.Generator,
+           mask: torch.Tensor | None = None) -> int:
+    """One token from one row of logits, among those a grammar's mask allows."""
     if params.greedy and not params.has_penalties and not params.logit_bias:
-        return int(logits.argmax())
-    logits = adjust_logits(logits, params, history)
+        return int(constrained(logits, mask).argmax())
+    logits = constrained(adjust_logits(logits, params, history), mask)
     if params.greedy:
         return int(logits.argmax())
     return sample(distribution(logits, params), generator)

@@ -11,6 +11,12 @@ argmax. Sampling keeps sibling s with probability r(s), r the distribution the t
 otherwise be drawn from, and on rejection takes s out of r (a one-hot draft's residual); the token
 kept is then exactly a draw from r, whichever siblings were proposed, as in SpecInfer's
 multi-candidate rule. A kept sibling is followed by the target's token at the sibling's own row.
+
+Grammars (engine.sched.grammar): each row's logits are masked to what the grammar allows after the
+row's own path, after penalties and bias, so p is the masked distribution. A draft the grammar cut
+keeps the refused token's q: that token had p = 0, so it would have been rejected for certain, and
+the residual max(0, p - q) it leaves is what the next token is drawn from, exactly as if it had
+been verified.
 """
 from __future__ import annotations
 
@@ -19,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.sched.request import Draft
-from engine.sched.sampling import SamplingParams, adjust_logits, distribution, sample
+from engine.sched.sampling import SamplingParams, adjust_logits, constrained, distribution, sample
 
 
 @dataclass
@@ -47,7 +53,7 @@ def accept_greedy(drafts: list[int], target_argmax: list[int], draft: Draft | No
     n = 0
     while n < len(drafts) and drafts[n] == target_argmax[n]:
         n += 1
-    if n < len(drafts) and draft is not None:
+    if draft is not None:  # past the chain's end only a cut draft has siblings
         for row, token in _sibling_rows(draft, n):
             if token == target_argmax[n]:
                 return Verdict(n + 1, drafts[:n] + [token, target_argmax[row]], list(range(n + 1)) + [row])
@@ -65,11 +71,12 @@ def accept_sampled(drafts: list[int], p, q: torch.Tensor, generator: torch.Gener
     n = 0
     while n < k and float(u[n]) < float(p[n][drafts[n]] / q[n, drafts[n]]):
         n += 1
-    if n == k:
+    if n == k and not (draft is not None and draft.cut):
         return Verdict(n, drafts + [sample(p[k], generator)])
+    rejected = q[n] if n < k else draft.refused_q
     # p == q leaves no residual mass; a rejection then has probability 0, but rounding can still
     # reach here, and p itself is the right distribution then; likewise after a sibling's rejection.
-    dist = _normalised((p[n] - q[n]).clamp(min=0), p[n])
+    dist = p[n] if rejected is None else _normalised((p[n] - rejected).clamp(min=0), p[n])
     for row, token in _sibling_rows(draft, n) if draft is not None else ():
         if float(torch.rand(1, generator=generator)) < float(dist[token]):
             return Verdict(n + 1, drafts[:n] + [token, sample(p[row], generator)], list(range(n + 1)) + [row])
@@ -82,18 +89,28 @@ def _normalised(mass: torch.Tensor, fallback: torch.Tensor) -> torch.Tensor:
     return mass / total if total > 0 else fallback
 
 
+def draft_paths(draft: Draft) -> list[list[int]]:
+    """The tokens before each verify row's prediction, after the request's last token: the chain's
+    prefixes, then each sibling's path."""
+    drafts = draft.tokens
+    return [drafts[:i] for i in range(len(drafts) + 1)] + [drafts[:d] + [t] for d, t in draft.siblings]
+
+
 def verify(draft: Draft, logits: torch.Tensor, params: SamplingParams, history: list[int],
-           generator: torch.Generator) -> Verdict:
+           generator: torch.Generator, masks: torch.Tensor | None = None) -> Verdict:
     """The verdict on a draft that followed `history`, from the target's logits at each verified
     row ([1 + len(draft.row), vocab]). Penalties and bias apply at each row as if the tokens
-    before it on its path had been emitted."""
-    drafts = draft.tokens
-    paths = [drafts[:i] for i in range(len(drafts) + 1)] + [drafts[:d] + [t] for d, t in draft.siblings]
+    before it on its path had been emitted; masks [rows, vocab] (a grammar's) then remove what
+    each row may not produce."""
+    paths = draft_paths(draft)
     if params.greedy:
-        argmax = [int(adjust_logits(row, params, history + path).argmax()) if params.has_penalties
-                  or params.logit_bias else int(row.argmax()) for row, path in zip(logits, paths)]
-        return accept_greedy(drafts, argmax, draft)
-    return accept_sampled(drafts, _RowDistributions(logits, params, history, paths), draft.q, generator, draft)
+        adjust = params.has_penalties or params.logit_bias
+        argmax = [int(constrained(adjust_logits(row, params, history + path) if adjust else row,
+                                  None if masks is None else masks[i]).argmax())
+                  for i, (row, path) in enumerate(zip(logits, paths))]
+        return accept_greedy(draft.tokens, argmax, draft)
+    return accept_sampled(draft.tokens, _RowDistributions(logits, params, history, paths, masks), draft.q,
+                          generator, draft)
 
 
 class _RowDistributions:
@@ -101,12 +118,14 @@ class _RowDistributions:
     softmax and, with top-p, a sort over the vocabulary (about 1 ms here), and a verdict reads only
     the rows its walk reaches."""
 
-    def __init__(self, logits: torch.Tensor, params: SamplingParams, history: list[int], paths: list[list[int]]):
-        self.logits, self.params, self.history, self.paths = logits, params, history, paths
+    def __init__(self, logits: torch.Tensor, params: SamplingParams, history: list[int], paths: list[list[int]],
+                 masks: torch.Tensor | None):
+        self.logits, self.params, self.history, self.paths, self.masks = logits, params, history, paths, masks
         self.rows: dict[int, torch.Tensor] = {}
 
     def __getitem__(self, i: int) -> torch.Tensor:
         if i not in self.rows:
-            self.rows[i] = distribution(adjust_logits(self.logits[i], self.params, self.history + self.paths[i]),
+            logits = adjust_logits(self.logits[i], self.params, self.history + self.paths[i])
+            self.rows[i] = distribution(constrained(logits, None if self.masks is None else self.masks[i]),
                                         self.params)
         return self.rows[i]

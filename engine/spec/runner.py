@@ -97,7 +97,7 @@ class DraftRunner:
             drafts = self._draft(ready)
             seconds = time.perf_counter() - start if len(ready) == 1 else None
             for req, draft in drafts.items():
-                req.draft = draft
+                req.draft = draft if req.constraint is None else req.constraint.cut(draft)
                 self._cost[req] = None if req in caught_up else seconds
 
     def _draft(self, spans: list[Span]) -> dict:

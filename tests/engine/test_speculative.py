@@ -91,3 +91,36 @@ def test_identical_draft_is_always_accepted():
     g = torch.Generator().manual_seed(0)
     verdicts = [accept_sampled([t], torch.stack([p, p]), p[None], g) for t in (0, 1, 2) * 100]
     assert all(v.accepted == 1 and len(v.tokens) == 2 for v in verdicts)
+
+
+@pytest.mark.parametrize("siblings", [[], [1]])
+def test_a_draft_cut_at_the_token_a_grammar_refuses_keeps_the_masked_distribution(siblings):
+    # A grammar refuses tokens 3 and 4: p is the target's masked distribution, q the draft's
+    # unmasked one, which puts most of its mass there. A refused draft is cut off before it is
+    # verified (engine.sched.grammar.Constraint.cut), keeping its q as refused_q, with any sibling
+    # the grammar allows; the token that follows must still be drawn from p.
+    p = torch.tensor([0.5, 0.3, 0.2, 0.0, 0.0])
+    q = torch.tensor([0.05, 0.05, 0.1, 0.4, 0.4])
+    g = torch.Generator().manual_seed(7)
+    drafts = torch.multinomial(q, DRAWS, replacement=True, generator=g)
+    out, cut = torch.empty(DRAWS, dtype=torch.long), 0
+    for i in range(DRAWS):
+        d = int(drafts[i])
+        sibs = [(0, s) for s in siblings if s != d]
+        if d in (3, 4):
+            cut += 1
+            draft = Draft([], None, sibs, cut=True, refused_q=q)
+        else:
+            draft = Draft([d], q[None], sibs)
+        rows = torch.stack([p] * (1 + len(draft.row)))
+        out[i] = accept_sampled(draft.tokens, rows, draft.q, g, draft).tokens[0]
+    assert cut > DRAWS // 2, "the refused tokens were not drafted: the cut was not exercised"
+    assert_matches(out, p)
+
+
+def test_greedy_tries_a_cut_drafts_siblings_at_the_depth_it_was_cut():
+    # Drafted [5, 6, 7]; a grammar refused 6, so the chain is [5] with 6's sibling 9 at depth 1.
+    draft = Draft([5], siblings=[(1, 9)], cut=True)  # rows: 0 last, 1 chain, 2 the sibling
+    verdict = accept_greedy([5], [5, 9, 4], draft)
+    assert (verdict.accepted, verdict.tokens, verdict.rows) == (2, [5, 9, 4], [0, 1, 2])
+    assert accept_greedy([5], [5, 8, 4], draft).tokens == [5, 8]
