@@ -130,6 +130,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--document", type=Path, help="--http: a text file whose tokens precede each prompt (see above)")
     p.add_argument("--document-tokens", type=int, default=5200, help="--http: how many of the document's tokens")
     p.add_argument("--busy", type=int, default=0, help="--http: processes spinning at nice 19 meanwhile")
+    p.add_argument("--json-schema", type=Path, metavar="FILE",
+                   help="--http: also run each system with every answer held to this JSON schema (llama-server's "
+                        "json_schema field; e.g. configs/schemas/answer.json), on the same server, in the same turn")
     p.add_argument("--also", nargs="+", default=[], metavar="FLAGS",
                    help="--http: each drafting server again with these flags too (an A/B: --also=--no-spec-pacing)")
     args = p.parse_args(argv)
@@ -241,6 +244,9 @@ def http_main(args: argparse.Namespace) -> int:
                 systems.append(served.LlamaCppServer(files.path, ctx, args.lanes, threads, logs))
             for s in systems:
                 s.start()
+            if args.json_schema:
+                schema = json.loads(args.json_schema.read_text())
+                systems += [served.Constrained(s, schema) for s in systems]
             print(f"model {args.model} ({files.path.name}), {len(messages)} prompts from {args.prompts.name}, up to "
                   f"{args.tg} tokens, temperature {args.temperature:g}, {args.lanes} lane(s), {threads} threads, "
                   f"{args.runs} runs" + (f", {args.busy} busy loop(s) beside" if args.busy else ""), flush=True)
@@ -270,7 +276,25 @@ def http_main(args: argparse.Namespace) -> int:
             for s in systems:
                 s.stop()
     print("\nmedians:\n" + served_table(series))
+    if args.json_schema:
+        print(f"\nheld to {args.json_schema.name}:\n" + schema_table(series))
     return 0
+
+
+def schema_table(series: list["served.Series"]) -> str:
+    """Each system with the schema against itself without: TG, and how often its drafts were kept."""
+    by_name = {r.system: r for r in series}
+    width = max(len(r.system) for r in series)
+    lines = [f"{'system':{width}s} {'TG tok/s':>9s} {'/free':>6s} {'accepted/drafted':>17s} {'free':>6s}"]
+    for r in series:
+        free = by_name.get(r.system.removesuffix(served.Constrained.SUFFIX))
+        if free is r or free is None:
+            continue
+        rate = f"{r.accepted / r.drafted:.2f}" if r.drafted else ""
+        free_rate = f"{free.accepted / free.drafted:.2f}" if free.drafted else ""
+        lines.append(f"{r.system:{width}s} {r.tg_median:9.1f} {r.tg_median / free.tg_median:5.2f}x "
+                     f"{f'{r.accepted}/{r.drafted} = {rate}' if rate else '':>17s} {free_rate:>6s}")
+    return "\n".join(lines)
 
 
 def with_document(tokenizer, document: str, n: int, messages: list[str], first: int = 0) -> list[str]:

@@ -171,6 +171,29 @@ class LlamaCppServer(_LlamaCpp):
                      "--verbose", "False"], log_dir, "llama_cpp.log")
 
 
+class Constrained:
+    """A started server again, each answer held to a JSON schema (the json_schema field, which both
+    tandem and llama-server read); started and stopped as the server it wraps."""
+
+    SUFFIX = " [json schema]"
+
+    def __init__(self, server, schema: dict):
+        self.server, self.schema, self.name = server, schema, server.name + self.SUFFIX
+
+    @property
+    def url(self) -> str:
+        return self.server.url
+
+    def body(self, text: str, max_tokens: int, temperature: float, seed: int) -> dict:
+        return {**self.server.body(text, max_tokens, temperature, seed), "json_schema": self.schema}
+
+    def count(self, chunks: list[dict]) -> tuple[int, int, int, int]:
+        return self.server.count(chunks)
+
+    def stop(self) -> None:
+        """The server it wraps is stopped as itself."""
+
+
 def one_stream(server, text: str, max_tokens: int, temperature: float,
                seed: int) -> tuple[float, float, float, tuple]:
     """(sending, arrival of the first chunk, of the last, the server's count())."""

@@ -9,11 +9,10 @@ import json
 from urllib.parse import parse_qsl, urlencode
 
 from proxy.forward import ClientGone, DisconnectWatch, read_body, relay, send_error
-from server.protocol import APIError
+from server.protocol import COMPLETION_PATHS, APIError
 
 BODY_LIMIT = 32 * 2**20
-COMPLETION_PATHS = ("/v1/chat/completions", "/v1/completions")
-MODEL_PATHS = COMPLETION_PATHS + ("/tokenize", "/detokenize", "/apply-template")
+MODEL_PATHS = COMPLETION_PATHS + ("/tokenize", "/detokenize", "/apply-template", "/v1/messages/count_tokens")
 
 
 def model_of(body: bytes) -> tuple[str | None, str | None]:

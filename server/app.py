@@ -15,7 +15,11 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from server.edge import EdgeMiddleware
 from server.http_errors import install_error_handlers
 from server.metrics import EngineGauges
-from server.openai_api import get_state, render_chat, router
+from server.chat_prompt import render_chat, renders_tools
+from server.llama_api import router as llama_router
+from server.messages_api import router as messages_router
+from server.openai_api import get_state, router
+from server.responses_api import router as responses_router
 from server.protocol import (ERROR_RESPONSES, APIError, ApplyTemplateRequest, DetokenizeRequest, TokenizeRequest,
                              error_body)
 from server.state import ServerState
@@ -43,6 +47,9 @@ def create_app(state: ServerState, on_load_failure: Callable[[BaseException], No
     app.state.tandem = state
     app.add_middleware(EdgeMiddleware, state=state)
     app.include_router(router)
+    app.include_router(llama_router)
+    app.include_router(responses_router)
+    app.include_router(messages_router)
 
     install_error_handlers(app, "this server")
     install_pages(app, {"/": "chat.html"})
@@ -102,6 +109,12 @@ def create_app(state: ServerState, on_load_failure: Callable[[BaseException], No
                             "max_batch": spec.max_batch if spec else 0, "width": spec.width if spec else 1,
                             "p_sibling": spec.p_sibling if spec else 0.0, "pacing": spec.pacing if spec else False},
             "chat_template": engine.tokenizer.chat_template or "",
+            # What an answer can be held to (engine/sched/grammar.py) and how tools reach the model
+            # (server/chat_prompt.py): rendered by its template, or described in its system message.
+            "constrained_decoding": {"library": "llguidance", "grammar": "gbnf", "json_schema": True,
+                                     "response_format": ["text", "json_object", "json_schema"]},
+            "tools": {"call_format": "hermes", "template_renders_tools": renders_tools(engine.tokenizer),
+                      "tool_choice": ["none", "auto", "required", "function"]},
             "compress_ratios": list(engine.model.config.layer_ratios),
             "qsa_budget": engine.model.config.qsa_budget,
             # Where the model runs (engine/placement.py); one process steps one micro-batch at a time.
@@ -160,6 +173,6 @@ def create_app(state: ServerState, on_load_failure: Callable[[BaseException], No
 
     @app.post("/apply-template")
     async def apply_template(body: ApplyTemplateRequest, request: Request):
-        return {"prompt": render_chat(get_state(request), body)}
+        return {"prompt": render_chat(get_state(request).runner.engine.tokenizer, body.messages)}
 
     return app

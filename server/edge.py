@@ -11,10 +11,9 @@ import asyncio
 import json
 
 from server.memory import BIG_BODY, give_back_freed_memory
-from server.protocol import APIError, error_body, is_open
+from server.protocol import COMPLETION_PATHS, APIError, error_body, is_open
 from server.state import ServerState
 
-COMPLETION_PATHS = ("/v1/chat/completions", "/v1/completions")
 
 
 class EdgeMiddleware:

@@ -9,9 +9,10 @@ import time
 from dataclasses import dataclass
 from typing import AsyncIterator
 
-from engine import ConfigError, DraftLimits, IncrementalDecoder, ProbeSpec, SamplingParams
+from engine import (ConfigError, Constraint, DraftLimits, GrammarError, GrammarSpec, IncrementalDecoder, ProbeSpec,
+                    SamplingParams)
 from server.probes import probe_body, probe_spec
-from server.protocol import APIError, FinishReason, SamplingFields, Timings
+from server.protocol import APIError, FinishReason, GrammarSource, SamplingFields, Timings
 from server.state import ServerState
 from server.stop import StopMatcher
 
@@ -20,6 +21,7 @@ log = logging.getLogger("tandem.server")
 # The engine's name for a parameter where the wire's differs, for errors that name the field sent.
 WIRE_NAMES = {"repetition_penalty": "repeat_penalty"}
 RETRY_AFTER_S = 1  # what a request refused by the full wait queue is told to wait
+GRAMMAR_TIMEOUT_S = 10  # llguidance's fuel limits bound a compile well below this; a guard, not a rule
 
 
 def _wire_error(e: ConfigError) -> APIError:
@@ -38,6 +40,7 @@ class PreparedRequest:
     pinned_slot: int | None
     probe: ProbeSpec | None = None
     draft_limits: DraftLimits | None = None  # the request's own; None: the server's
+    constraint: Constraint | None = None  # a grammar's matcher, made by `constrain`
 
 
 @dataclass
@@ -92,6 +95,21 @@ def prepare(state: ServerState, body: SamplingFields, prompt_ids: list[int],
     return PreparedRequest(prompt_ids, params, body.stop_strings, body.cache_prompt, body.id_slot, probe, draft_limits)
 
 
+async def constrain(state: ServerState, source: GrammarSource | None) -> Constraint | None:
+    """A fresh matcher for the request's grammar, compiled (or found in the cache) on a worker
+    thread; a grammar that cannot be used, or takes longer than GRAMMAR_TIMEOUT_S, is a 400."""
+    if source is None:
+        return None
+    grammars = state.runner.engine.grammars
+    spec = GrammarSpec(source.kind, source.source, source.field)
+    try:
+        return await asyncio.wait_for(asyncio.to_thread(grammars.constraint, spec), GRAMMAR_TIMEOUT_S)
+    except GrammarError as e:
+        raise APIError(400, str(e)) from e
+    except TimeoutError:
+        raise APIError(400, f"{source.field}: took longer than {GRAMMAR_TIMEOUT_S} s to compile") from None
+
+
 def _draft_limits(spec, body: SamplingFields) -> DraftLimits | None:
     """The request's own speculation limits, or None: the server's, or none to apply on a server
     that does not speculate (which ignores them, as llama-server does)."""
@@ -118,7 +136,8 @@ async def run(state: ServerState, prepared: PreparedRequest) -> AsyncIterator[Pi
     "timeout"); a request the client left is counted in /metrics as cancelled."""
     stream = state.runner.submit(prepared.prompt_ids, prepared.params, cache_prompt=prepared.cache_prompt,
                                  pinned_slot=prepared.pinned_slot, probe=prepared.probe,
-                                 draft_limits=prepared.draft_limits, interval=state.settings.stream_interval)
+                                 draft_limits=prepared.draft_limits, constraint=prepared.constraint,
+                                 interval=state.settings.stream_interval)
     decoder = IncrementalDecoder(state.runner.engine.tokenizer)
     matcher = StopMatcher(prepared.stops)
     timeout = state.settings.timeout

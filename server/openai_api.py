@@ -12,8 +12,10 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from sse_starlette import EventSourceResponse
 
-from server.generation import Final, Piece, PreparedRequest, prepare, run
-from server.protocol import APIError, ChatCompletionRequest, CompletionRequest
+from server.chat_prompt import render_chat
+from server.generation import Final, Piece, PreparedRequest, constrain, prepare, run
+from server.protocol import APIError, ChatCompletionRequest, CompletionRequest, GrammarSource
+from server.tool_calls import Call, CallReader, call_grammar, ended, read_calls
 from server.state import ServerState
 
 router = APIRouter()
@@ -26,24 +28,37 @@ def get_state(request: Request) -> ServerState:
     return state
 
 
-def render_chat(state: ServerState, body) -> str:
-    messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-    try:
-        return state.runner.engine.tokenizer.apply_chat_template(messages)
-    except Exception as e:  # jinja's own errors name the problem (e.g. roles must alternate)
-        raise APIError(400, f"messages: the chat template refused them: {e}") from e
+def chat_grammar(body: ChatCompletionRequest) -> GrammarSource | None:
+    """What a chat's answer follows: a required call (of the named function, or of any tool), an
+    answer or a call where tools meet a response format, else the request's own grammar."""
+    mode = body.tool_mode
+    if mode in ("required", "named"):
+        tools = body.tools if mode == "required" else \
+            [t for t in body.tools if t.function.name == body.tool_choice["function"]["name"]]
+        return call_grammar(tools, body.parallel_tool_calls and mode == "required")
+    if mode == "auto" and body.grammar_source is not None:
+        return call_grammar(body.tools, body.parallel_tool_calls, answer=body.grammar_source)
+    return body.grammar_source
+
+
+async def prepare_chat(state: ServerState, body: ChatCompletionRequest) -> PreparedRequest:
+    """A chat checked and ready to submit: rendered with the tools it offers, its grammar compiled.
+    The Responses and Messages APIs come here too, translated into a chat."""
+    tools = body.tools if body.tool_mode != "none" else None
+    prompt_ids = await state.prompts.prompt_ids(render_chat(state.runner.engine.tokenizer, body.messages, tools))
+    prepared = prepare(state, body, prompt_ids, body.n_logprobs)
+    prepared.constraint = await constrain(state, chat_grammar(body))
+    return prepared
 
 
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request):
     state = get_state(request)
-    tokenizer = state.runner.engine.tokenizer
-    prompt_ids = await state.prompts.prompt_ids(render_chat(state, body))
-    prepared = prepare(state, body, prompt_ids, body.n_logprobs)
-    fmt = ChatFormat(state, body.model, tokenizer.decode)
+    prepared = await prepare_chat(state, body)
+    fmt = ChatFormat(state, body.model, state.runner.engine.tokenizer.decode, calls=body.tool_mode != "none")
     if body.stream:
         return _sse(state, prepared, fmt, body.include_usage)
-    return await _whole(state, prepared, fmt, request)
+    return await whole(state, prepared, fmt, request)
 
 
 @router.post("/v1/completions")
@@ -52,10 +67,11 @@ async def completions(body: CompletionRequest, request: Request):
     tokenizer = state.runner.engine.tokenizer
     prompt_ids = list(body.prompt) if isinstance(body.prompt, list) else await state.prompts.prompt_ids(body.prompt)
     prepared = prepare(state, body, prompt_ids, body.n_logprobs)
+    prepared.constraint = await constrain(state, body.grammar_source)
     fmt = TextFormat(state, body.model, tokenizer.decode)
     if body.stream:
         return _sse(state, prepared, fmt, body.include_usage)
-    return await _whole(state, prepared, fmt, request)
+    return await whole(state, prepared, fmt, request)
 
 
 def _sse(state: ServerState, prepared: PreparedRequest, fmt, include_usage: bool) -> EventSourceResponse:
@@ -67,21 +83,24 @@ def _sse(state: ServerState, prepared: PreparedRequest, fmt, include_usage: bool
             yield {"data": json.dumps(first)}
         async for item in run(state, prepared):
             if isinstance(item, Final) and item.finish_reason == "error":
-                yield {"data": json.dumps(_engine_error(state).body())}
+                yield {"data": json.dumps(engine_error(state).body())}
             elif isinstance(item, Final):
-                last = fmt.final_chunk(item)
+                *held, last = fmt.final_chunks(item)
+                for chunk in held:
+                    yield {"data": json.dumps(chunk)}
                 if include_usage:
                     yield {"data": json.dumps(last)}
                     last = {**fmt.envelope([], fmt.chunk_object), "usage": item.usage}
                 yield {"data": json.dumps({**last, "timings": item.timings})}
             else:
-                yield {"data": json.dumps(fmt.chunk(item))}
+                for chunk in fmt.chunks(item):
+                    yield {"data": json.dumps(chunk)}
         yield {"data": "[DONE]"}
 
     return EventSourceResponse(events(), ping=15)
 
 
-async def _whole(state: ServerState, prepared: PreparedRequest, fmt, request: Request) -> JSONResponse:
+async def whole(state: ServerState, prepared: PreparedRequest, fmt, request: Request) -> JSONResponse:
     # The body was read; the next ASGI message is the client's disconnect, if it leaves early.
     watcher = asyncio.ensure_future(request.receive())
     pieces: list[Piece] = []
@@ -98,7 +117,7 @@ async def _whole(state: ServerState, prepared: PreparedRequest, fmt, request: Re
             item = nxt.result()
             if isinstance(item, Final):
                 if item.finish_reason == "error":
-                    raise _engine_error(state)
+                    raise engine_error(state)
                 return JSONResponse(fmt.whole(pieces, item))
             pieces.append(item)
     finally:
@@ -106,7 +125,7 @@ async def _whole(state: ServerState, prepared: PreparedRequest, fmt, request: Re
         await gen.aclose()
 
 
-def _engine_error(state: ServerState) -> APIError:
+def engine_error(state: ServerState) -> APIError:
     """A request the engine ended with an error: why, when the whole engine failed (a lost stage)."""
     failure = state.runner.engine.failure
     return APIError(500, "the engine failed on this request" + (f": {failure}" if failure else ""))
@@ -128,9 +147,13 @@ class _Format:
     def first_chunk(self) -> dict | None:
         return None
 
-    def final_chunk(self, final: Final) -> dict:
-        """The chunk with finish_reason, which carries the attention probe's result when there is one."""
-        return with_probe(self.chunk(final), final)
+    def chunks(self, piece: Piece) -> list[dict]:
+        return [self.chunk(piece)]
+
+    def final_chunks(self, final: Final) -> list[dict]:
+        """Anything held back, then the chunk with finish_reason, which carries the attention
+        probe's result when there is one."""
+        return [with_probe(self.chunk(final), final)]
 
 
 def with_probe(body: dict, final: Final) -> dict:
@@ -138,12 +161,47 @@ def with_probe(body: dict, final: Final) -> dict:
 
 
 class ChatFormat(_Format):
+    """calls: the answer may hold tool calls (server.tool_calls), read out of its text: streamed as
+    OpenAI streams them (a call's id and name, then its arguments), whole as message.tool_calls,
+    and finish_reason "tool_calls" where the answer ended by itself after a call."""
     prefix = "chatcmpl-"
     chunk_object = "chat.completion.chunk"
+
+    def __init__(self, state: ServerState, model: str | None, decode: Callable[[list[int]], str], calls: bool = False):
+        super().__init__(state, model, decode)
+        self.reader = CallReader() if calls else None
 
     def first_chunk(self) -> dict:
         return self.envelope([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                "finish_reason": None}], self.chunk_object)
+
+    def chunks(self, piece: Piece) -> list[dict]:
+        if self.reader is None:
+            return [self.chunk(piece)]
+        text, calls = self.reader.push(piece.text)
+        out = [self.chunk(Piece(text, piece.token_ids, piece.logprobs))] if text or piece.logprobs else []
+        return out + self._call_chunks(calls)
+
+    def final_chunks(self, final: Final) -> list[dict]:
+        if self.reader is None:
+            return super().final_chunks(final)
+        text, calls = self.reader.finish()
+        held = ([self.chunk(Piece(text, [], None))] if text else []) + self._call_chunks(calls)
+        return held + [with_probe(self.chunk(self._with_reason(final)), final)]
+
+    def _with_reason(self, final: Final) -> Final:
+        return ended(final, self.reader.calls) if self.reader is not None else final
+
+    def _call_chunks(self, calls: list[Call]) -> list[dict]:
+        out = []
+        for call in calls:
+            index = self.reader.calls.index(call)
+            for delta in ({"index": index, "id": call.id, "type": "function",
+                           "function": {"name": call.name, "arguments": ""}},
+                          {"index": index, "function": {"arguments": call.arguments}}):
+                out.append(self.envelope([{"index": 0, "delta": {"tool_calls": [delta]}, "logprobs": None,
+                                           "finish_reason": None}], self.chunk_object))
+        return out
 
     def chunk(self, item: Piece | Final) -> dict:
         if isinstance(item, Final):
@@ -156,6 +214,13 @@ class ChatFormat(_Format):
     def whole(self, pieces: list[Piece], final: Final) -> dict:
         entries = [e for p in pieces for e in (p.logprobs or [])]
         message = {"role": "assistant", "content": "".join(p.text for p in pieces)}
+        if self.reader is not None:
+            text, calls = read_calls(message["content"])
+            self.reader.calls = calls
+            message = {"role": "assistant", "content": text or None}
+            if calls:
+                message["tool_calls"] = [c.as_openai() for c in calls]
+            final = self._with_reason(final)
         choice = {"index": 0, "message": message, "finish_reason": final.finish_reason,
                   "logprobs": {"content": self._logprobs(entries)} if entries else None}
         return with_probe({**self.envelope([choice], "chat.completion"), "usage": final.usage,

@@ -7,6 +7,7 @@ template) is checked by the server too, all before a slot is taken.
 """
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
@@ -24,6 +25,9 @@ _NON_EMPTY = {"minItems": 1}
 # and the browser pages with their files (package web), which hold no data: their API calls send the key.
 OPEN_PATHS = ("/health", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/", "/ui")
 ROLES = ("system", "user", "assistant", "tool", "developer")
+# The endpoints that generate: each takes a slot, counts against the wait queue's limit, and is
+# routed by the proxy to the server of the model its body names.
+COMPLETION_PATHS = ("/v1/chat/completions", "/v1/completions", "/completion", "/v1/responses", "/v1/messages")
 
 
 class APIError(Exception):
@@ -92,7 +96,7 @@ def validation_problems(errors) -> list[str]:
     return out
 
 
-class _Body(BaseModel):
+class Body(BaseModel):
     # Unknown fields are accepted (clients send many) but never change behaviour.
     model_config = ConfigDict(extra="allow")
 
@@ -132,7 +136,7 @@ def _lone_surrogate(value, path: tuple = ()) -> tuple[tuple, int] | None:
     return None
 
 
-class StreamOptions(_Body):
+class StreamOptions(Body):
     include_usage: bool = False
 
 
@@ -162,7 +166,38 @@ class AttentionProbe(BaseModel):
         raise ValueError(PROBE_QUERY_RULE)
 
 
-class SamplingFields(_Body):
+class JsonSchemaFormat(Body):
+    """OpenAI's response_format.json_schema. `strict` is accepted and always holds: the answer is
+    constrained to the schema token by token."""
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | bool = Field(default=True, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(Body):
+    """OpenAI's response_format; llama-server's `{"type": "json_object", "schema": {...}}` too."""
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+
+    @model_validator(mode="after")
+    def _schema_given(self):
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("type 'json_schema' needs a json_schema object ({\"name\", \"schema\"})")
+        return self
+
+
+@dataclass(frozen=True)
+class GrammarSource:
+    """What a request constrains its answer to (engine.sched.grammar.GrammarSpec's fields, as the
+    request gave them; this module imports no engine code)."""
+    kind: Literal["json_schema", "json_object", "gbnf", "lark", "regex"]
+    source: str
+    field: str
+
+
+class SamplingFields(Body):
     """Generation parameters common to chat and text completions (OpenAI names plus llama-server's)."""
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
@@ -180,6 +215,11 @@ class SamplingFields(_Body):
         {"type": "array", "items": {"type": "array", "items": {"type": "number"}, "minItems": 2, "maxItems": 2}},
         {"type": "null"}]})
     n: int = Field(default=1, json_schema_extra={"enum": [1]})
+    # At most one of these constrains the answer: OpenAI's response_format, llama-server's
+    # json_schema (a schema) or grammar (GBNF; "" is none, as llama-server reads it).
+    response_format: ResponseFormat | None = None
+    json_schema: dict[str, Any] | bool | None = None
+    grammar: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
@@ -214,6 +254,34 @@ class SamplingFields(_Body):
             raise ValueError(f"speculative.n_min: must be in 0..speculative.n_max={self.spec_n_max}, "
                              f"got {self.spec_n_min}")
         return self
+
+    @model_validator(mode="after")
+    def _one_grammar(self):
+        given = [name for name, v in (("response_format", self._format_grammar()), ("json_schema", self.json_schema),
+                                      ("grammar", self.grammar)) if v not in (None, "")]
+        if len(given) > 1:
+            raise ValueError(f"{given[0]} and {given[1]}: give at most one, each constrains the whole answer")
+        return self
+
+    def _format_grammar(self) -> GrammarSource | None:
+        rf = self.response_format
+        if rf is None or rf.type == "text":
+            return None
+        if rf.type == "json_schema":
+            return GrammarSource("json_schema", json.dumps(rf.json_schema.schema_, sort_keys=True),
+                                 "response_format.json_schema.schema")
+        if rf.schema_ is not None:
+            return GrammarSource("json_schema", json.dumps(rf.schema_, sort_keys=True), "response_format.schema")
+        return GrammarSource("json_object", "", "response_format")
+
+    @property
+    def grammar_source(self) -> GrammarSource | None:
+        """The grammar the request's answer follows, or None."""
+        if self.json_schema is not None:
+            return GrammarSource("json_schema", json.dumps(self.json_schema, sort_keys=True), "json_schema")
+        if self.grammar:
+            return GrammarSource("gbnf", self.grammar, "grammar")
+        return self._format_grammar()
 
     @field_validator("n")
     @classmethod
@@ -271,9 +339,37 @@ class SamplingFields(_Body):
         return [(t, b) for t, b in self.logit_bias or []]
 
 
-class ChatMessage(_Body):
+TOOL_NAME = r"^[A-Za-z0-9_.-]{1,64}$"
+
+
+class FunctionCall(Body):
+    name: str
+    arguments: str | dict[str, Any] = "{}"  # OpenAI sends JSON text; some clients an object
+
+    @property
+    def arguments_object(self) -> Any:
+        """The arguments as a value (templates render them as JSON themselves)."""
+        if isinstance(self.arguments, dict):
+            return self.arguments
+        try:
+            return json.loads(self.arguments or "{}")
+        except ValueError:
+            raise APIError(400, f"messages: tool call {self.name!r}: arguments are not valid JSON: "
+                                f"{self.arguments[:80]!r}") from None
+
+
+class ToolCall(Body):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(Body):
     role: str = Field(json_schema_extra={"enum": list(ROLES)})
     content: str | list[dict[str, Any]] | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's calls, in the history
+    tool_call_id: str | None = None  # a tool message: the call it answers
+    name: str | None = None
 
     @field_validator("role")
     @classmethod
@@ -304,23 +400,72 @@ def _non_empty(v: list) -> list:
 Messages = Annotated[list[ChatMessage], AfterValidator(_non_empty), Field(json_schema_extra=_NON_EMPTY)]
 
 
+class FunctionDef(Body):
+    name: str = Field(pattern=TOOL_NAME)
+    description: str | None = None
+    parameters: dict[str, Any] = Field(default_factory=lambda: {"type": "object", "properties": {}})
+    strict: bool | None = None
+
+
+class Tool(Body):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+TOOL_CHOICE_RULE = 'must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}'
+
+
 class ChatCompletionRequest(SamplingFields):
     messages: Messages
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
+    tools: list[Tool] | None = None
+    # "auto" where tools are given, as OpenAI's; a function's name (from {"type": "function", ...})
+    # calls that function.
+    tool_choice: str | dict[str, Any] | None = Field(default=None, json_schema_extra={"anyOf": [
+        {"type": "string", "enum": ["none", "auto", "required"]},
+        {"type": "object", "properties": {"type": {"enum": ["function"]}, "function": {
+            "type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}}}]})
+    parallel_tool_calls: bool = True
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _tool_choice(cls, v):
+        if v is None or v in ("none", "auto", "required"):
+            return v
+        named = isinstance(v, dict) and v.get("type") == "function" and isinstance(v.get("function"), dict) \
+            and isinstance(v["function"].get("name"), str)
+        if not named:
+            raise ValueError(TOOL_CHOICE_RULE)
+        return v
 
     @model_validator(mode="after")
-    def _unsupported(self) -> "ChatCompletionRequest":
-        if self.tools:
-            raise ValueError("tools are not supported by this server")
-        kind = (self.response_format or {}).get("type", "text")
-        if kind != "text":
-            raise ValueError(f"response_format type {kind!r} is not supported (only 'text')")
+    def _tools_agree(self) -> "ChatCompletionRequest":
+        names = [t.function.name for t in self.tools or []]
+        if len(set(names)) < len(names):
+            raise ValueError(f"tools: function names must differ, {names!r}")
+        if isinstance(self.tool_choice, dict) and self.tool_choice["function"]["name"] not in names:
+            raise ValueError(f"tool_choice: function {self.tool_choice['function']['name']!r} is not among "
+                             f"the tools ({', '.join(names) or 'none given'})")
+        if self.tool_choice not in (None, "none", "auto") and not names:
+            raise ValueError("tool_choice: calls a tool but no tools are given")
+        if self.tool_mode == "auto" and self.grammar is not None and self.grammar:
+            raise ValueError("grammar and tools: a GBNF answer cannot stand beside tool calls; give one "
+                             "(a response_format or json_schema can)")
+        if self.tool_mode in ("required", "named") and self.grammar_source is not None:
+            raise ValueError("tool_choice and a response format: a required call's arguments already follow "
+                             "its function's parameters; give one")
         return self
+
+    @property
+    def tool_mode(self) -> Literal["none", "auto", "required", "named"]:
+        """How the answer may call tools: not at all, as the model chooses, at least once, or one function."""
+        if not self.tools or self.tool_choice == "none":
+            return "none"
+        if isinstance(self.tool_choice, dict):
+            return "named"
+        return self.tool_choice or "auto"
 
     @property
     def token_limit(self) -> int | None:
@@ -368,17 +513,49 @@ class CompletionRequest(SamplingFields):
         return self.logprobs
 
 
-class TokenizeRequest(_Body):
+class LlamaCompletionRequest(SamplingFields):
+    """llama-server's native POST /completion: its names (n_predict, n_probs) beside the common ones."""
+    prompt: str | list[int] = Field(json_schema_extra={"anyOf": [
+        {"type": "string", "minLength": 1}, {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}]})
+    n_predict: int = -1  # -1: until a stop or the slot's end
+    n_probs: int = Field(default=0, ge=0, le=20)
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt(cls, v):
+        if not v:
+            raise ValueError("must not be empty")
+        if isinstance(v, list) and any(t < 0 for t in v):
+            raise ValueError("token ids must be >= 0")
+        return v
+
+    @field_validator("n_predict")
+    @classmethod
+    def _n_predict(cls, v: int) -> int:
+        if v == 0 or v < -1:
+            raise ValueError(f"must be -1 (until a stop) or >= 1, got {v}")
+        return v
+
+    @property
+    def token_limit(self) -> int | None:
+        return self.max_tokens if self.max_tokens is not None else None if self.n_predict < 0 else self.n_predict
+
+    @property
+    def n_logprobs(self) -> int | None:
+        return self.n_probs or None
+
+
+class TokenizeRequest(Body):
     content: str
     add_special: bool = False
     with_pieces: bool = False
 
 
-class DetokenizeRequest(_Body):
+class DetokenizeRequest(Body):
     tokens: list[int]
 
 
-class ApplyTemplateRequest(_Body):
+class ApplyTemplateRequest(Body):
     messages: Messages
 
 

@@ -19,7 +19,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from engine import DraftLimits, Engine, EngineConfig, Headers, ProbeSpec, Request, SamplingParams, StepOutput
+from engine import (Constraint, DraftLimits, Engine, EngineConfig, Headers, ProbeSpec, Request, SamplingParams,
+                    StepOutput)
 from engine.pipeline.ranks import LocalWorkers, Rank
 
 log = logging.getLogger("tandem.server")
@@ -148,12 +149,13 @@ class EngineRunner:
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, *, cache_prompt: bool,
                pinned_slot: int | None, probe: ProbeSpec | None = None, draft_limits: DraftLimits | None = None,
-               interval: float = 0.0) -> Stream:
+               constraint: Constraint | None = None, interval: float = 0.0) -> Stream:
         """Called on the event loop, after the request was validated. interval: seconds between the
         outputs the stream's reader takes, after its first (0: each as it comes)."""
         stream = Stream(self, asyncio.get_running_loop(), interval)
         stream.request = self.engine.submit(prompt_ids, params, stream.deliver, cache_prompt=cache_prompt,
-                                            pinned_slot=pinned_slot, probe=probe, draft_limits=draft_limits)
+                                            pinned_slot=pinned_slot, probe=probe, draft_limits=draft_limits,
+                                            constraint=constraint)
         return stream
 
     def stop(self) -> None:

@@ -146,7 +146,7 @@ def test_every_readme_command_runs(tmp_path):
             done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=300)
             assert done.returncode == 0, f"{command}\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}"
             if argv[0] == "curl":  # what it printed is the answer, not an error
-                assert ("data: [DONE]" if "chat/completions" in command else '"id"') in done.stdout, done.stdout
+                assert ("data: [DONE]" if '"stream": true' in command else '"id"') in done.stdout, done.stdout
     finally:
         codes = {kind: service.stop() for kind, service in services.items()}
     # The proxy ends as uvicorn ends on SIGTERM: its servers stopped, then the signal raised again

@@ -112,13 +112,45 @@ def _to_llguidance(spec: GrammarSpec) -> str:
     import llguidance
     from llguidance.gbnf_to_lark import gbnf_to_lark
     if spec.kind in ("json_object", "json_schema"):
-        schema = {"type": "object"} if spec.kind == "json_object" else spec.source
+        schema = {"type": "object"} if spec.kind == "json_object" else _closed(json.loads(spec.source))
         return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
     if spec.kind == "gbnf":
         return llguidance.LLMatcher.grammar_from_lark(gbnf_to_lark(spec.source))
     if spec.kind == "lark":
         return llguidance.LLMatcher.grammar_from_lark(spec.source)
     return llguidance.LLMatcher.grammar_from_regex(spec.source)
+
+
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_VALUES = ("const", "enum", "default", "examples")  # JSON values, whatever keys they hold
+
+
+def embedded_schema(schema):
+    """A JSON schema as a Lark grammar embeds it (`%json {...}`), read as a json_schema request is:
+    objects closed, whitespace bounded (its own x-guidance options still win)."""
+    schema = _closed(schema)
+    if isinstance(schema, dict):
+        schema = {**schema, "x-guidance": {**JSON_OPTIONS, **schema.get("x-guidance", {})}}
+    return schema
+
+
+def _closed(schema):
+    """The schema with every object that lists its properties and says nothing of others closed to
+    others (additionalProperties false), as llama.cpp's schema grammars read it and as OpenAI's
+    strict mode requires: open, a small model fills an answer with made-up keys."""
+    if isinstance(schema, list):
+        return [_closed(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key in _SCHEMA_MAPS and isinstance(value, dict):  # names to schemas, not a schema
+            out[key] = {name: _closed(sub) for name, sub in value.items()}
+        else:
+            out[key] = value if key in _VALUES else _closed(value)
+    if "properties" in out and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
 
 
 def _first_line(error) -> str:

@@ -4,16 +4,13 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable
+from typing import Any, Callable
 
 import torch
 
 from engine.model.probe import LayerProbe, ProbeCapture
 from engine.sched.sampling import SamplingParams
 from engine.settings import DraftLimits
-
-if TYPE_CHECKING:
-    from engine.sched.grammar import Constraint
 
 
 class Status(enum.Enum):
@@ -92,7 +89,9 @@ class Request:
     draft_limits: DraftLimits | None = None  # set by Engine.submit when the engine drafts
     generator: torch.Generator | None = None
     probe: ProbeCapture | None = None  # an attention probe, capturing while the prompt runs
-    constraint: "Constraint | None" = None  # a grammar its tokens follow (engine.sched.grammar)
+    # The matcher of a grammar its tokens follow (engine.sched.grammar.Constraint, which imports
+    # this module), or None.
+    constraint: Any = None
     n_prompt: int = field(init=False)
     status: Status = field(default=Status.WAITING, init=False)
     slot: int | None = field(default=None, init=False)  # the slot it runs in, while it runs

@@ -8,7 +8,7 @@ import httpx
 import pytest
 
 from bench import served
-from bench.compare import served_table
+from bench.compare import schema_table, served_table
 from engine.cli.tiny import tiny_config, write_tiny_model
 
 TEXTS = ["The river", "A list of three colours:", "Once upon a time"]
@@ -40,6 +40,28 @@ def test_measure_counts_the_tokens_after_each_streams_first(tandem, lanes):
     assert sample.seconds > 0 and sample.tg > 0
     assert (sample.drafted, sample.accepted) == (0, 0)  # no drafter on this server
     assert sample.prompt_tokens > 0 and sample.prompt_seconds > 0  # the server's prompt_n, over each first wait
+
+
+def test_a_constrained_twin_holds_each_answer_to_the_schema_on_the_same_server(tandem):
+    schema = {"type": "object", "properties": {"yes": {"type": "boolean"}}, "required": ["yes"]}
+    twin = served.Constrained(tandem, schema)
+    assert twin.url == tandem.url and twin.name == tandem.name + " [json schema]"
+    body = {**twin.body(TEXTS[0], 200, 0.0, 0), "stream": False}  # the whitespace between tokens is bounded
+    text = httpx.post(twin.url + "/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
+    assert "".join(text.split()) in ('{"yes":true}', '{"yes":false}')
+    sample = served.measure(twin, TEXTS[:1], 200, 0.0, 1, seed=0)
+    assert sample.tokens == len(text) - 1  # the tiny model's tokens are bytes
+
+
+def test_schema_table_gives_each_system_held_to_the_schema_against_itself_free():
+    rows = [served.Series("tandem auto + draft-mtp", [150.0], drafted=100, accepted=60),
+            served.Series(served.LlamaServer.NAME, [100.0]),
+            served.Series("tandem auto + draft-mtp [json schema]", [140.0], drafted=80, accepted=60),
+            served.Series(served.LlamaServer.NAME + " [json schema]", [90.0])]
+    lines = schema_table(rows).splitlines()
+    assert lines[1].split() == ["tandem", "auto", "+", "draft-mtp", "[json", "schema]", "140.0", "0.93x", "60/80",
+                                "=", "0.75", "0.60"]
+    assert lines[2].split() == ["llama-server", "[json", "schema]", "90.0", "0.90x"]
 
 
 def test_table_gives_each_drafted_system_against_its_plain_twin_and_llama_server():

@@ -140,3 +140,16 @@ def test_a_grammar_that_cannot_be_used_is_refused_naming_the_field(plain, spec, 
     with pytest.raises(GrammarError) as e:
         plain.grammars.constraint(spec)
     assert str(e.value).startswith(problem) or problem in str(e.value)
+
+
+def test_an_object_that_lists_its_properties_takes_no_others_unless_it_says_so(plain):
+    def allows(schema: dict, text: str) -> bool:
+        constraint = plain.grammars.constraint(GrammarSpec.json_schema(schema, "json_schema"))
+        tokens = plain.tokenizer.encode(text)
+        return constraint.matcher.validate_tokens(tokens) == len(tokens)
+
+    listed = {"type": "object", "properties": {"a": {"type": "integer"},
+                                               "properties": {"type": "object", "properties": {}}}}
+    assert allows(listed, '{"a": 1}') and not allows(listed, '{"a": 1, "b": 2}')
+    assert allows({**listed, "additionalProperties": True}, '{"a": 1, "b": 2}')
+    assert allows({"type": "object"}, '{"b": 2}')

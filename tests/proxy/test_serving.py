@@ -147,6 +147,36 @@ def test_a_queued_request_leaves_the_queue_when_its_client_disconnects(proxy):
     wait_until(lambda: proxy.replicas("tiny")[0]["slots_busy"] == 0, 15, "the slots to free")
 
 
+AGENT_BODIES = {  # each generating endpoint, greedy, its answer held by a grammar the random model can finish
+    "/completion": {"prompt": "Say yes or no:", "n_predict": 8, "grammar": 'root ::= "yes" | "no"'},
+    "/v1/responses": {"input": "Yes or no?", "max_output_tokens": 8,
+                      "text": {"format": {"type": "json_schema", "name": "v", "schema": {"enum": ["yes", "no"]}}}},
+    "/v1/messages": {"max_tokens": 400, "messages": [{"role": "user", "content": "Pick."}],
+                     "tools": [{"name": "pick", "input_schema": {"type": "object", "properties": {
+                         "colour": {"enum": ["red", "blue"]}}, "required": ["colour"]}}],
+                     "tool_choice": {"type": "any", "disable_parallel_tool_use": True}},
+    "/v1/messages/count_tokens": {"messages": [{"role": "user", "content": "Pick."}]},
+}
+
+
+@pytest.mark.parametrize("path", AGENT_BODIES)
+def test_llama_servers_and_agents_endpoints_route_by_the_model_in_the_body(proxy, path):
+    body = {**AGENT_BODIES[path], "temperature": 0}
+    direct = httpx.post(f"http://127.0.0.1:{proxy.replicas('tiny')[0]['port']}{path}", json=body, timeout=60)
+    relayed = proxy.client.post(path, json={**body, "model": "tiny"})
+    assert direct.status_code == relayed.status_code == 200, relayed.text
+    volatile = {"id", "created_at", "timings", "usage", "model", "output", "tokens_cached"}  # the second reuses the prefix
+    if path == "/v1/responses":
+        assert relayed.json()["output"][0]["content"][0]["text"] == direct.json()["output"][0]["content"][0]["text"]
+    elif path == "/v1/messages":
+        [use] = relayed.json()["content"]
+        assert use["type"] == "tool_use" and use["input"] == direct.json()["content"][0]["input"]
+        assert relayed.json()["stop_reason"] == "tool_use"
+    else:
+        assert {k: v for k, v in relayed.json().items() if k not in volatile} == \
+            {k: v for k, v in direct.json().items() if k not in volatile}
+
+
 def test_openai_package_streams_through_the_proxy(proxy):
     import openai
     client = openai.OpenAI(base_url=proxy.url + "/v1", api_key="unused", max_retries=0)

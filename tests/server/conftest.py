@@ -21,3 +21,10 @@ def start_server(tmp_path_factory):
     yield start
     for server in started:
         server.kill()
+
+
+@pytest.fixture(scope="session")
+def main_server(start_server):
+    """The main command on the default model (its own Q4_1 weights, the shipped MTP draft, 4 slots
+    sharing a pool), as a user starts it: shared by the tests of what agents send."""
+    return start_server(["-m", "default"])

@@ -5,6 +5,7 @@ errors show as messages, and the stop button ends a long answer with the slot fr
 decodes greedily (temperature 0) without meeting its EOS."""
 from __future__ import annotations
 
+import json
 import re
 
 import httpx
@@ -86,6 +87,21 @@ def test_an_answer_streams_in_with_its_timings_and_text_stays_text(page):
     assert not found(page, "#history script, #history b")
     assert page.execute_script("return window.injected") is None
     assert not page.find_element(By.ID, "send").get_attribute("disabled")
+
+
+def test_a_tool_call_shows_as_the_function_and_its_arguments(page):
+    tools = [{"type": "function", "function": {"name": "pick", "parameters": {
+        "type": "object", "properties": {"colour": {"enum": ["red", "blue"]}}, "required": ["colour"]}}}]
+    page.find_element(By.CSS_SELECTOR, "#tool-settings summary").click()
+    page.find_element(By.ID, "tools").send_keys(json.dumps(tools))
+    page.find_element(By.CSS_SELECTOR, "#tool-choice option[value='required'], #tool-choice option:nth-child(2)").click()
+    try:
+        send_chat(page, "Pick a colour.", temperature=0, max_tokens=400)
+        wait_until(lambda: found(page, ".message.assistant .timings"), 60, "the timings line")
+        call = last_answer(page).find_element(By.CLASS_NAME, "tool-call").text
+        assert re.fullmatch(r'called pick\(\{"colour": "(red|blue)"\}\)', call), call
+    finally:
+        page.find_element(By.ID, "tools").clear()
 
 
 def test_an_api_error_shows_as_a_message(page):

@@ -26,7 +26,23 @@ function timingsLine(t) {
 function settings() {
   const temperature = Number($("temperature").value);
   const maxTokens = Number($("max-tokens").value);
-  return { temperature, max_tokens: maxTokens };
+  const chosen = { temperature, max_tokens: maxTokens };
+  const tools = $("tools").value.trim();
+  if (!tools) return chosen;
+  try {
+    return { ...chosen, tools: JSON.parse(tools), tool_choice: $("tool-choice").value };
+  } catch (error) {
+    throw new ApiError(`tools: not valid JSON (${error.message})`);
+  }
+}
+
+// A call streams in as its id and name, then its arguments; it shows as name(arguments).
+function addToolCall(answer, calls, part) {
+  const call = calls[part.index] ??= { name: "", arguments: "", box: element("div", "", "tool-call") };
+  if (!call.box.isConnected) answer.querySelector(".text").after(call.box);
+  call.name += part.function?.name ?? "";
+  call.arguments += part.function?.arguments ?? "";
+  call.box.textContent = `called ${call.name}(${call.arguments})`;
 }
 
 async function send(text) {
@@ -50,11 +66,13 @@ async function send(text) {
     pending = "";
     answer.scrollIntoView({ block: "end" });
   };
+  const calls = [];
   try {
     const body = { model: $("model").value, messages, stream: true, ...settings() };
     const response = await post("/v1/chat/completions", body, streaming.signal);
     for await (const chunk of events(response)) {
       if (chunk.error) throw new ApiError(chunk.error.message);
+      for (const part of chunk.choices?.[0]?.delta?.tool_calls ?? []) addToolCall(answer, calls, part);
       const piece = chunk.choices?.[0]?.delta?.content;
       if (piece) {
         pending += piece;
@@ -71,8 +89,12 @@ async function send(text) {
   } finally {
     flush();
     // A turn refused before any text is left out of the conversation, so the next one is not sent it.
-    if (textBox.textContent) messages.push({ role: "assistant", content: textBox.textContent });
-    else messages.pop();
+    const toolCalls = calls.map((c, i) => ({ id: `call_${i}`, type: "function",
+                                             function: { name: c.name, arguments: c.arguments } }));
+    if (textBox.textContent || toolCalls.length) {
+      messages.push({ role: "assistant", content: textBox.textContent || null,
+                      ...(toolCalls.length ? { tool_calls: toolCalls } : {}) });
+    } else messages.pop();
     streaming = null;
     $("send").disabled = false;
     $("stop").disabled = true;

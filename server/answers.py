@@ -1,0 +1,51 @@
+"""An answer as the Responses and Messages APIs shape it: text and tool calls in the order they
+come, then the end. Both stream it as events of their own and, whole, read it from the joined text."""
+from __future__ import annotations
+
+import json
+from typing import AsyncIterator
+
+from fastapi import Request
+from sse_starlette import EventSourceResponse
+
+from server.generation import Final, Piece, PreparedRequest, run
+from server.openai_api import whole
+from server.state import ServerState
+from server.tool_calls import Call, CallReader, ended, read_calls
+
+
+async def answer_events(state: ServerState, prepared: PreparedRequest, calls: bool) -> AsyncIterator[str | Call | Final]:
+    """Text deltas, each call once it is whole (calls: the answer may hold them), then the Final."""
+    reader = CallReader() if calls else None
+    async for item in run(state, prepared):
+        if isinstance(item, Final):
+            if reader is not None:
+                text, done = reader.finish()
+                for part in ([text] if text else []) + done:
+                    yield part
+                item = ended(item, reader.calls)
+            yield item
+            return
+        text, done = (item.text, []) if reader is None else reader.push(item.text)
+        for part in ([text] if text else []) + done:
+            yield part
+
+
+def whole_answer(pieces: list[Piece], final: Final, calls: bool) -> tuple[str, list[Call], Final]:
+    """A whole answer's text, calls and end."""
+    text = "".join(p.text for p in pieces)
+    if not calls:
+        return text, [], final
+    text, found = read_calls(text)
+    return text, found, ended(final, found)
+
+
+async def reply(state: ServerState, prepared: PreparedRequest, shape, request: Request, stream: bool):
+    """The answer as `shape` gives it: whole (`shape.whole`), or as its named SSE events (`shape.events`)."""
+    if not stream:
+        return await whole(state, prepared, shape, request)
+
+    async def events() -> AsyncIterator[dict]:
+        async for event in shape.events(answer_events(state, prepared, shape.calls)):
+            yield {"event": event["type"], "data": json.dumps(event)}
+    return EventSourceResponse(events(), ping=15)
