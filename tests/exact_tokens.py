@@ -43,3 +43,15 @@ def next_token_logits(model) -> Callable[[list[int]], torch.Tensor]:
         cache = KVCache(c.num_layers, 1, len(ids), c.num_kv_heads, c.head_dim, specs=model.specs)
         return model.logits(model(ForwardBatch.build([Row(0, 0, ids)]), cache)[-1:])[0]
     return logits
+
+
+def under_grammar(reference_logits: Callable[[list[int]], torch.Tensor], constraint_of,
+                  prompt_length: int) -> Callable[[list[int]], torch.Tensor]:
+    """reference_logits for a greedy answer held to a grammar: the reference's logits with what the
+    grammar refuses after the answer so far at -inf, so that a near-tie is one between tokens it
+    allows. constraint_of(): a fresh matcher of that grammar (Grammars.constraint)."""
+    def logits(ids: list[int]) -> torch.Tensor:
+        constraint = constraint_of()
+        constraint.advance(ids[prompt_length:])
+        return reference_logits(ids).masked_fill(~constraint.masks([[]])[0], float("-inf"))
+    return logits

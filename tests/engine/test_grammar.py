@@ -153,3 +153,17 @@ def test_an_object_that_lists_its_properties_takes_no_others_unless_it_says_so(p
     assert allows(listed, '{"a": 1}') and not allows(listed, '{"a": 1, "b": 2}')
     assert allows({**listed, "additionalProperties": True}, '{"a": 1, "b": 2}')
     assert allows({"type": "object"}, '{"b": 2}')
+
+
+def test_a_request_preempted_under_a_grammar_resumes_where_its_matcher_is(llama8, plain):
+    # Two requests sharing 160 positions, each 40 + up to 160: the younger is paused mid-answer,
+    # recomputes, and goes on under the same matcher, drafting (a grammar-cut draft) as it resumes.
+    spec = GrammarSpec.json_schema(SCHEMA, "response_format")
+    pool = Engine.load(EngineConfig(model=str(llama8), ctx_size=160, parallel=2, kv_unified=True,
+                                    spec=DRAFTERS["draft-simple trees"](llama8)))
+    prompts = [[65] * 40, [66] * 40]
+    got = run_all(pool, prompts, GREEDY, grammar=spec)
+    assert pool.stats.preemptions > 0 and any(r.recomputed_n for r in got)
+    alone = run_all(plain, prompts, GREEDY, grammar=spec)
+    assert [r.output_ids for r in got] == [r.output_ids for r in alone]
+    assert all(r.finish_reason == "stop" for r in got)

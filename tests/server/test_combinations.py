@@ -1,6 +1,7 @@
 """The whole shape composes: every pair of the options below, and the seed's full shape, starts,
 serves through HTTP and answers greedy requests with the tokens of the same format's plain greedy
-(no speculation, one slot, one process, one device), by the exact-token rule; where drafting was
+(no speculation, one slot, one process, one device), by the exact-token rule, and so does a greedy
+answer held to a JSON schema (its matcher on the head, whatever the stages); where drafting was
 asked for, `timings` report drafts.
 
 Options: weight format {f32, int8, auto} x speculation {none, draft-mtp, draft-mtp-ngram as a
@@ -22,12 +23,13 @@ from dataclasses import dataclass
 import pytest
 
 from engine.engine import Engine
+from engine.sched.grammar import GrammarSpec
 from engine.sched.sampling import SamplingParams
 from engine.settings import CompressRatios, EngineConfig
 from tests.engine.runs import run_all
 from tests.engine.test_generation import chat_ids
 from tests.engine.test_qsa_engine import write_llama8_with_drafts
-from tests.exact_tokens import assert_same_greedy, next_token_logits
+from tests.exact_tokens import assert_same_greedy, next_token_logits, under_grammar
 
 TOKENS = 24
 PROMPTS = ["Tell me about the tide that comes in twice a day and leaves shells along the sand of the bay.",
@@ -45,6 +47,16 @@ DEVICES = {"cpu": [], "cpu,cpu": ["--devices", "cpu,cpu"]}
 # QSA on every fourth layer, under a budget the prompts exceed (a chat turn of either prompt is
 # over 100 tokens on both models).
 BUDGET = {"tiny": 8, "default": 16}
+
+
+# Compact JSON (no whitespace between tokens) with bounded strings: the random tiny model finishes it.
+SCHEMA = {"type": "object", "properties": {"colour": {"enum": ["red", "green", "blue"]},
+                                           "count": {"type": "integer", "minimum": 0, "maximum": 99},
+                                           "tags": {"type": "array", "items": {"type": "string", "maxLength": 3},
+                                                    "maxItems": 2}},
+          "required": ["colour", "count", "tags"], "x-guidance": {"whitespace_flexible": False, "whitespace_pattern": None}}
+SCHEMA_TOKENS = 96
+GRAMMAR = GrammarSpec.json_schema(SCHEMA, "response_format")
 
 
 @dataclass(frozen=True)
@@ -123,14 +135,17 @@ def plain(tiny_path):
             assert all(len(i) > 2 * BUDGET[cell.model] for i in ids)
             answers = [r.output_ids for r in
                        run_all(engine, ids, SamplingParams(temperature=0, max_tokens=TOKENS, ignore_eos=True))]
-            references[key] = ids, answers, next_token_logits(engine.model)
+            [held] = run_all(engine, ids[:1], SamplingParams(temperature=0, max_tokens=SCHEMA_TOKENS), grammar=GRAMMAR)
+            logits = next_token_logits(engine.model)
+            references[key] = ids, answers, logits, held.output_ids, \
+                under_grammar(logits, lambda: engine.grammars.constraint(GRAMMAR), len(ids[0]))
         return references[key]
     return reference
 
 
-def chat(server, prompt: str) -> dict:
+def chat(server, prompt: str, **fields) -> dict:
     body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": TOKENS, "temperature": 0,
-            "ignore_eos": True, "cache_prompt": False, "logprobs": True}
+            "ignore_eos": True, "cache_prompt": False, "logprobs": True, **fields}
     with server.client() as c:
         r = c.post("/v1/chat/completions", json=body)
     assert r.status_code == 200, r.text
@@ -139,11 +154,13 @@ def chat(server, prompt: str) -> dict:
 
 @pytest.mark.parametrize("cell", CELLS, ids=str)
 def test_each_cell_starts_serves_and_answers_plain_greedys_tokens(start_server, tiny_path, plain, cell):
-    ids, expected, logits = plain(cell)
+    ids, expected, logits, held_expected, held_logits = plain(cell)
     server = start_server(cell.args(tiny_path))
     try:
         with ThreadPoolExecutor(2 if cell.slots != "1 slot" else 1) as pool:
             answers = list(pool.map(lambda p: chat(server, p), PROMPTS))
+        held = chat(server, PROMPTS[0], max_tokens=SCHEMA_TOKENS, ignore_eos=False,
+                    response_format={"type": "json_schema", "json_schema": {"name": "t", "schema": SCHEMA}})
         with server.client() as c:
             props = c.get("/props").json()
             metrics = c.get("/metrics").text
@@ -155,6 +172,9 @@ def test_each_cell_starts_serves_and_answers_plain_greedys_tokens(start_server, 
         assert_same_greedy(got, want, prompt_ids, logits)
         if cell.spec != "none":
             assert answer["timings"]["draft_n"] > 0, "drafting was asked for and nothing was drafted"
+    assert_same_greedy([e["id"] for e in held["choices"][0]["logprobs"]["content"]], held_expected, ids[0],
+                       held_logits)
+    assert held["choices"][0]["finish_reason"] == "stop", "the schema's answer did not end with the grammar"
     assert props["stages"] == (2 if cell.processes == "-pp 2" or cell.devices == "cpu,cpu" else 1)
     assert props["speculative"]["type"] == (None if cell.spec == "none" else cell.spec.split(",")[0])
     assert props["draft_rank"] == (2 if cell.draft_rank else None if cell.spec == "none" else 0)

@@ -53,6 +53,10 @@ def test_a_json_schema_answer_validates_whole_and_streamed(client):
     text = "".join(e["choices"][0]["delta"].get("content") or "" for e in events if e["choices"])
     assert text == choice["message"]["content"]
     assert whole["timings"]["draft_n"] > 0, "the main command drafts: the grammar met speculation"
+    props = client.get("/props").json()
+    assert props["constrained_decoding"]["response_format"] == ["text", "json_object", "json_schema"]
+    assert props["tools"] == {"call_format": "hermes", "template_renders_tools": False,  # SmolLM2-135M's template
+                              "tool_choice": ["none", "auto", "required", "function"]}
 
 
 def test_greedy_under_a_schema_with_drafts_gives_the_tokens_of_the_same_request_drafting_nothing(client):
