@@ -11,24 +11,21 @@ from sse_starlette import EventSourceResponse
 from server.generation import Final, Piece, PreparedRequest, run
 from server.openai_api import whole
 from server.state import ServerState
-from server.tool_calls import Call, CallReader, ended, read_calls
+from server.tool_calls import Call, CallReader, Event, ended, read_calls
 
 
-async def answer_events(state: ServerState, prepared: PreparedRequest, calls: bool) -> AsyncIterator[str | Call | Final]:
-    """Text deltas, each call once it is whole (calls: the answer may hold them), then the Final."""
+async def answer_events(state: ServerState, prepared: PreparedRequest, calls: bool) -> AsyncIterator[Event | Final]:
+    """Text deltas and each call's start, arguments and end as they come (calls: the answer may
+    hold them; server.tool_calls.CallReader), then the Final."""
     reader = CallReader() if calls else None
     async for item in run(state, prepared):
         if isinstance(item, Final):
-            if reader is not None:
-                text, done = reader.finish()
-                for part in ([text] if text else []) + done:
-                    yield part
-                item = ended(item, reader.calls)
-            yield item
+            for event in reader.finish() if reader is not None else ():
+                yield event
+            yield item if reader is None else ended(item, reader.calls)
             return
-        text, done = (item.text, []) if reader is None else reader.push(item.text)
-        for part in ([text] if text else []) + done:
-            yield part
+        for event in reader.push(item.text) if reader is not None else [item.text] if item.text else []:
+            yield event
 
 
 def whole_answer(pieces: list[Piece], final: Final, calls: bool) -> tuple[str, list[Call], Final]:

@@ -23,7 +23,7 @@ from server.generation import Final, Piece
 from server.openai_api import engine_error, get_state, prepare_chat
 from server.protocol import APIError, Body, ChatCompletionRequest, validation_problems
 from server.state import ServerState
-from server.tool_calls import Call
+from server.tool_calls import ArgumentsDelta, Call, CallEnded, CallStarted, Event
 
 router = APIRouter()
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
@@ -154,7 +154,7 @@ class MessageShape:
         content = ([{"type": "text", "text": text}] if text else []) + [_tool_use(c) for c in calls]
         return {**self.message(content, final), "timings": final.timings}
 
-    async def events(self, parts: AsyncIterator[str | Call | Final]) -> AsyncIterator[dict]:
+    async def events(self, parts: AsyncIterator[Event | Final]) -> AsyncIterator[dict]:
         yield {"type": "message_start", "message": self.message([], None)}
         index, in_text = 0, False
         async for part in parts:
@@ -167,10 +167,14 @@ class MessageShape:
             if in_text:
                 yield {"type": "content_block_stop", "index": index}
                 index, in_text = index + 1, False
-            if isinstance(part, Call):
-                yield {"type": "content_block_start", "index": index, "content_block": {**_tool_use(part), "input": {}}}
+            if isinstance(part, CallStarted):
+                yield {"type": "content_block_start", "index": index,
+                       "content_block": {"type": "tool_use", "id": _tool_use_id(part.call), "name": part.call.name,
+                                         "input": {}}}
+            elif isinstance(part, ArgumentsDelta):
                 yield {"type": "content_block_delta", "index": index,
-                       "delta": {"type": "input_json_delta", "partial_json": part.arguments}}
+                       "delta": {"type": "input_json_delta", "partial_json": part.text}}
+            elif isinstance(part, CallEnded):
                 yield {"type": "content_block_stop", "index": index}
                 index += 1
             elif part.finish_reason == "error":
@@ -182,7 +186,11 @@ class MessageShape:
                 yield {"type": "message_stop"}
 
 
+def _tool_use_id(call: Call) -> str:
+    return f"toolu_{call.id.removeprefix('call_')}"
+
+
 def _tool_use(call: Call) -> dict:
     value = json.loads(call.arguments)
-    return {"type": "tool_use", "id": f"toolu_{call.id.removeprefix('call_')}", "name": call.name,
+    return {"type": "tool_use", "id": _tool_use_id(call), "name": call.name,
             "input": value if isinstance(value, dict) else {"value": value}}

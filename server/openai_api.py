@@ -15,7 +15,7 @@ from sse_starlette import EventSourceResponse
 from server.chat_prompt import render_chat
 from server.generation import Final, Piece, PreparedRequest, constrain, prepare, run
 from server.protocol import APIError, ChatCompletionRequest, CompletionRequest, GrammarSource
-from server.tool_calls import Call, CallReader, call_grammar, ended, read_calls
+from server.tool_calls import ArgumentsDelta, CallReader, CallStarted, Event, call_grammar, ended, read_calls
 from server.state import ServerState
 
 router = APIRouter()
@@ -178,30 +178,36 @@ class ChatFormat(_Format):
     def chunks(self, piece: Piece) -> list[dict]:
         if self.reader is None:
             return [self.chunk(piece)]
-        text, calls = self.reader.push(piece.text)
-        out = [self.chunk(Piece(text, piece.token_ids, piece.logprobs))] if text or piece.logprobs else []
-        return out + self._call_chunks(calls)
+        return self._event_chunks(self.reader.push(piece.text), piece)
 
     def final_chunks(self, final: Final) -> list[dict]:
         if self.reader is None:
             return super().final_chunks(final)
-        text, calls = self.reader.finish()
-        held = ([self.chunk(Piece(text, [], None))] if text else []) + self._call_chunks(calls)
-        return held + [with_probe(self.chunk(self._with_reason(final)), final)]
+        return self._event_chunks(self.reader.finish()) + [with_probe(self.chunk(self._with_reason(final)), final)]
 
     def _with_reason(self, final: Final) -> Final:
         return ended(final, self.reader.calls) if self.reader is not None else final
 
-    def _call_chunks(self, calls: list[Call]) -> list[dict]:
-        out = []
-        for call in calls:
-            index = self.reader.calls.index(call)
-            for delta in ({"index": index, "id": call.id, "type": "function",
-                           "function": {"name": call.name, "arguments": ""}},
-                          {"index": index, "function": {"arguments": call.arguments}}):
-                out.append(self.envelope([{"index": 0, "delta": {"tool_calls": [delta]}, "logprobs": None,
-                                           "finish_reason": None}], self.chunk_object))
+    def _event_chunks(self, events: list[Event], piece: Piece | None = None) -> list[dict]:
+        """Text as content deltas (the piece's logprobs on the first), a call as OpenAI streams it:
+        its index, id and name, then its arguments as they come."""
+        out, logprobs = [], piece.logprobs if piece is not None else None
+        for event in events:
+            if isinstance(event, str):
+                out.append(self.chunk(Piece(event, [], logprobs)))
+                logprobs = None
+            elif isinstance(event, CallStarted):
+                out.append(self._call_delta({"index": event.call.index, "id": event.call.id, "type": "function",
+                                             "function": {"name": event.call.name, "arguments": ""}}))
+            elif isinstance(event, ArgumentsDelta):
+                out.append(self._call_delta({"index": event.call.index, "function": {"arguments": event.text}}))
+        if logprobs:  # every token of the piece was held back or went into a call
+            out.append(self.chunk(Piece("", [], logprobs)))
         return out
+
+    def _call_delta(self, delta: dict) -> dict:
+        return self.envelope([{"index": 0, "delta": {"tool_calls": [delta]}, "logprobs": None, "finish_reason": None}],
+                             self.chunk_object)
 
     def chunk(self, item: Piece | Final) -> dict:
         if isinstance(item, Final):

@@ -22,7 +22,7 @@ from server.generation import Final, Piece
 from server.openai_api import engine_error, get_state, prepare_chat
 from server.protocol import APIError, ChatCompletionRequest, Body, validation_problems
 from server.state import ServerState
-from server.tool_calls import Call
+from server.tool_calls import ArgumentsDelta, Call, CallEnded, CallStarted, Event
 
 router = APIRouter()
 TEXT_PARTS = ("input_text", "output_text", "text")
@@ -158,16 +158,15 @@ class ResponseShape:
         self.sequence += 1
         return {"type": f"response.{kind}", "sequence_number": self.sequence - 1, **fields}
 
-    async def events(self, parts: AsyncIterator[str | Call | Final]) -> AsyncIterator[dict]:
+    async def events(self, parts: AsyncIterator[Event | Final]) -> AsyncIterator[dict]:
         output: list[dict] = []
         yield self._event("created", response=self.response([], None))
         yield self._event("in_progress", response=self.response([], None))
-        message, text = None, ""  # the message item being written, and its text
+        message, text, call_item = None, "", None  # the message item being written and its text; a call's
         async for part in parts:
             if isinstance(part, str):
                 if message is None:
-                    message, text = _message(f"msg_{uuid.uuid4().hex}", "", "in_progress"), ""
-                    message["content"] = []
+                    message, text = {**_message(f"msg_{uuid.uuid4().hex}", "", "in_progress"), "content": []}, ""
                     yield self._event("output_item.added", output_index=len(output), item=message)
                     yield self._event("content_part.added", item_id=message["id"], output_index=len(output),
                                       content_index=0, part={"type": "output_text", "text": "", "annotations": []})
@@ -179,16 +178,18 @@ class ResponseShape:
                 for event in self._close_message(message, text, output):
                     yield event
                 message = None
-            if isinstance(part, Call):
-                item = _function_call(part, "in_progress")
-                yield self._event("output_item.added", output_index=len(output), item={**item, "arguments": ""})
-                yield self._event("function_call_arguments.delta", item_id=item["id"], output_index=len(output),
-                                  delta=part.arguments)
-                yield self._event("function_call_arguments.done", item_id=item["id"], output_index=len(output),
-                                  arguments=part.arguments)
-                item["status"] = "completed"
-                yield self._event("output_item.done", output_index=len(output), item=item)
-                output.append(item)
+            if isinstance(part, CallStarted):
+                call_item = _function_call(part.call, "in_progress")
+                yield self._event("output_item.added", output_index=len(output), item=call_item)
+            elif isinstance(part, ArgumentsDelta):
+                yield self._event("function_call_arguments.delta", item_id=call_item["id"], output_index=len(output),
+                                  delta=part.text)
+            elif isinstance(part, CallEnded):
+                done = _function_call(part.call, "completed" if part.call.complete else "incomplete")
+                yield self._event("function_call_arguments.done", item_id=done["id"], output_index=len(output),
+                                  arguments=part.call.arguments)
+                yield self._event("output_item.done", output_index=len(output), item=done)
+                output.append(done)
             elif part.finish_reason == "error":
                 yield self._event("failed", response={**self.response(output, part),
                                                       "error": {"code": "server_error",

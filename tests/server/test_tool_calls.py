@@ -11,7 +11,7 @@ from engine.files.tokenizer import Tokenizer
 from engine.sched.grammar import Grammars, GrammarSpec
 from server.chat_prompt import render_chat, renders_tools
 from server.protocol import ChatMessage, Tool
-from server.tool_calls import CallReader, call_grammar, read_calls
+from server.tool_calls import ArgumentsDelta, CallEnded, CallReader, CallStarted, call_grammar, read_calls
 
 WEATHER = Tool.model_validate({"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city",
@@ -33,14 +33,32 @@ def test_a_whole_answer_gives_its_text_and_each_call_with_json_arguments():
 
 @pytest.mark.parametrize("size", [1, 2, 3, 7, 1000])
 def test_a_streamed_answer_gives_the_same_in_any_split(size):
-    reader, text, calls = CallReader(), "", []
+    reader, events = CallReader(), []
     for i in range(0, len(ANSWER), size):
-        t, c = reader.push(ANSWER[i:i + size])
-        assert "<" not in t, "text that could begin a call was passed on"
-        text, calls = text + t, calls + c
-    t, c = reader.finish()
-    assert (text + t).strip() == "Let me check."
-    assert [c.name for c in calls + c] == ["get_weather", "get_time"]
+        got = reader.push(ANSWER[i:i + size])
+        assert all("<" not in e for e in got if isinstance(e, str)), "text that could begin a call was passed on"
+        events += got
+    events += reader.finish()
+    assert "".join(e for e in events if isinstance(e, str)) == "Let me check.\n"
+    kinds = [type(e).__name__ for e in events if not isinstance(e, str)]
+    assert kinds[0] == "CallStarted" and kinds.count("CallStarted") == kinds.count("CallEnded") == 2
+    arguments = {}
+    for e in events:
+        if isinstance(e, ArgumentsDelta):
+            arguments[e.call.index] = arguments.get(e.call.index, "") + e.text
+    assert [json.loads(arguments[i]) for i in (0, 1)] == [{"city": "Paris"}, {"zone": "CET"}]
+    assert [c.arguments for c in reader.calls] == [arguments[0], arguments[1]]
+
+
+def test_arguments_pass_on_as_they_come_and_a_call_cut_off_ends_incomplete():
+    reader = CallReader()
+    started, opened = reader.push('<tool_call>\n{"name": "get_weather", "arguments": {')
+    assert isinstance(started, CallStarted) and started.call.name == "get_weather" and opened.text == "{"
+    assert [e.text for e in reader.push('"city": "Pa}r') if isinstance(e, ArgumentsDelta)] == ['"city": "Pa}r']
+    [ended] = reader.finish()
+    assert isinstance(ended, CallEnded) and not ended.call.complete and reader.calls == []
+    text, calls = read_calls('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa}r')
+    assert calls == [] and text == '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa}r'
 
 
 def test_what_does_not_parse_as_a_call_stays_text():

@@ -39,7 +39,7 @@ function settings() {
 // A call streams in as its id and name, then its arguments; it shows as name(arguments).
 function addToolCall(answer, calls, part) {
   const call = calls[part.index] ??= { name: "", arguments: "", box: element("div", "", "tool-call") };
-  if (!call.box.isConnected) answer.querySelector(".text").after(call.box);
+  if (!call.box.isConnected) [...answer.querySelectorAll(".text, .tool-call")].at(-1).after(call.box);
   call.name += part.function?.name ?? "";
   call.arguments += part.function?.arguments ?? "";
   call.box.textContent = `called ${call.name}(${call.arguments})`;
