@@ -268,17 +268,17 @@ class SamplingFields(Body):
         if rf is None or rf.type == "text":
             return None
         if rf.type == "json_schema":
-            return GrammarSource("json_schema", json.dumps(rf.json_schema.schema_, sort_keys=True),
+            return GrammarSource("json_schema", json.dumps(rf.json_schema.schema_),
                                  "response_format.json_schema.schema")
         if rf.schema_ is not None:
-            return GrammarSource("json_schema", json.dumps(rf.schema_, sort_keys=True), "response_format.schema")
+            return GrammarSource("json_schema", json.dumps(rf.schema_), "response_format.schema")
         return GrammarSource("json_object", "", "response_format")
 
     @property
     def grammar_source(self) -> GrammarSource | None:
         """The grammar the request's answer follows, or None."""
         if self.json_schema is not None:
-            return GrammarSource("json_schema", json.dumps(self.json_schema, sort_keys=True), "json_schema")
+            return GrammarSource("json_schema", json.dumps(self.json_schema), "json_schema")
         if self.grammar:
             return GrammarSource("gbnf", self.grammar, "grammar")
         return self._format_grammar()

@@ -27,6 +27,7 @@ from engine.sched.request import Draft
 KINDS = ("json_schema", "json_object", "gbnf", "lark", "regex")
 MAX_SOURCE = 256 * 1024  # characters of a schema or grammar: past this, refused before compiling
 CACHED = 64  # compiled grammars kept, the most recently used
+ROWS = 8  # verify rows a matcher's mask buffer holds before it grows
 _SHIFTS = torch.arange(32, dtype=torch.int32)
 # Whitespace between JSON tokens is bounded, as llama.cpp's schema grammars bound it: unbounded, a
 # model that prefers a newline to the value can fill its whole answer with them. A schema's own
@@ -47,7 +48,7 @@ class GrammarSpec:
 
     @classmethod
     def json_schema(cls, schema: dict | bool, field: str) -> "GrammarSpec":
-        return cls("json_schema", json.dumps(schema, sort_keys=True), field)
+        return cls("json_schema", json.dumps(schema), field)
 
 
 def _limits():
@@ -162,6 +163,9 @@ class Constraint:
 
     def __init__(self, matcher, vocab_size: int):
         self.matcher, self.vocab_size = matcher, vocab_size
+        # Each row's allowed tokens, one bit each, as llguidance writes them: [rows, ceil(vocab/32)].
+        # Written through its pointer: llguidance.torch would import torch.compile's machinery (2 s).
+        self._bits = torch.empty((ROWS, (vocab_size + 31) // 32), dtype=torch.int32)
 
     @property
     def done(self) -> bool:
@@ -176,12 +180,13 @@ class Constraint:
     def masks(self, paths: list[list[int]]) -> torch.Tensor:
         """[len(paths), vocab] bool: the tokens allowed after each path of tokens from the
         committed ones (a verify row's prefix; each path valid, as `cut` leaves drafts)."""
-        import llguidance.torch
-        bits = llguidance.torch.allocate_token_bitmask(len(paths), self.vocab_size)  # [rows, ceil(vocab/32)] i32
+        if len(paths) > len(self._bits):
+            self._bits = torch.empty((len(paths), self._bits.shape[1]), dtype=torch.int32)
+        bits = self._bits[:len(paths)]
         for i, path in enumerate(paths):
             if path:
                 self.matcher.consume_tokens(path)
-            llguidance.torch.fill_next_token_bitmask(self.matcher, bits, i)
+            self.matcher.unsafe_compute_mask_ptr(bits[i].data_ptr(), bits.shape[1] * 4)
             if path:
                 self.matcher.rollback(len(path))
         return ((bits.unsqueeze(-1) >> _SHIFTS) & 1).bool().view(len(paths), -1)[:, :self.vocab_size]

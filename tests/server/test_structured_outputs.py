@@ -45,7 +45,9 @@ def chat(client, **body) -> dict:
 def test_a_json_schema_answer_validates_whole_and_streamed(client):
     whole = chat(client, response_format=FORMAT)
     choice = whole["choices"][0]
-    jsonschema.validate(json.loads(choice["message"]["content"]), PERSON)
+    answer = json.loads(choice["message"]["content"])
+    jsonschema.validate(answer, PERSON)
+    assert list(answer) == list(PERSON["properties"]), "the keys come in the schema's order"
     assert choice["finish_reason"] == "stop"
     with client.stream("POST", "/v1/chat/completions", json={"messages": ASK, "temperature": 0, "max_tokens": 200,
                                                              "stream": True, "response_format": FORMAT}) as r:
