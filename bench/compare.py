@@ -133,6 +133,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json-schema", type=Path, metavar="FILE",
                    help="--http: also run each system with every answer held to this JSON schema (llama-server's "
                         "json_schema field; e.g. configs/schemas/answer.json), on the same server, in the same turn")
+    p.add_argument("--grammar", type=Path, metavar="FILE",
+                   help="--http: likewise with this GBNF grammar (the grammar field; configs/grammars/any-text.gbnf "
+                        "refuses nothing: the answers are the free ones, and the difference is the constraint's cost)")
     p.add_argument("--also", nargs="+", default=[], metavar="FLAGS",
                    help="--http: each drafting server again with these flags too (an A/B: --also=--no-spec-pacing)")
     args = p.parse_args(argv)
@@ -244,9 +247,10 @@ def http_main(args: argparse.Namespace) -> int:
                 systems.append(served.LlamaCppServer(files.path, ctx, args.lanes, threads, logs))
             for s in systems:
                 s.start()
-            if args.json_schema:
-                schema = json.loads(args.json_schema.read_text())
-                systems += [served.Constrained(s, schema) for s in systems]
+            held = ([({"json_schema": json.loads(args.json_schema.read_text())}, args.json_schema.name)]
+                    if args.json_schema else []) + \
+                ([({"grammar": args.grammar.read_text()}, args.grammar.name)] if args.grammar else [])
+            systems += [served.Constrained(s, fields, label) for fields, label in held for s in systems]
             print(f"model {args.model} ({files.path.name}), {len(messages)} prompts from {args.prompts.name}, up to "
                   f"{args.tg} tokens, temperature {args.temperature:g}, {args.lanes} lane(s), {threads} threads, "
                   f"{args.runs} runs" + (f", {args.busy} busy loop(s) beside" if args.busy else ""), flush=True)
@@ -276,18 +280,18 @@ def http_main(args: argparse.Namespace) -> int:
             for s in systems:
                 s.stop()
     print("\nmedians:\n" + served_table(series))
-    if args.json_schema:
-        print(f"\nheld to {args.json_schema.name}:\n" + schema_table(series))
+    if args.json_schema or args.grammar:
+        print("\nheld to a grammar, against the same system free:\n" + held_table(series))
     return 0
 
 
-def schema_table(series: list["served.Series"]) -> str:
-    """Each system with the schema against itself without: TG, and how often its drafts were kept."""
+def held_table(series: list["served.Series"]) -> str:
+    """Each system held to a grammar against itself free: TG, and how often its drafts were kept."""
     by_name = {r.system: r for r in series}
     width = max(len(r.system) for r in series)
     lines = [f"{'system':{width}s} {'TG tok/s':>9s} {'/free':>6s} {'accepted/drafted':>17s} {'free':>6s}"]
     for r in series:
-        free = by_name.get(r.system.removesuffix(served.Constrained.SUFFIX))
+        free = by_name.get(r.system.split(" [")[0])
         if free is r or free is None:
             continue
         rate = f"{r.accepted / r.drafted:.2f}" if r.drafted else ""

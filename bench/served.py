@@ -172,20 +172,19 @@ class LlamaCppServer(_LlamaCpp):
 
 
 class Constrained:
-    """A started server again, each answer held to a JSON schema (the json_schema field, which both
-    tandem and llama-server read); started and stopped as the server it wraps."""
+    """A started server again, each answer held to a grammar: `fields` (llama-server's
+    {"json_schema": schema} or {"grammar": GBNF}, which tandem reads too) added to every request;
+    started and stopped as the server it wraps, and named after it with `label` in brackets."""
 
-    SUFFIX = " [json schema]"
-
-    def __init__(self, server, schema: dict):
-        self.server, self.schema, self.name = server, schema, server.name + self.SUFFIX
+    def __init__(self, server, fields: dict, label: str):
+        self.server, self.fields, self.name = server, fields, f"{server.name} [{label}]"
 
     @property
     def url(self) -> str:
         return self.server.url
 
     def body(self, text: str, max_tokens: int, temperature: float, seed: int) -> dict:
-        return {**self.server.body(text, max_tokens, temperature, seed), "json_schema": self.schema}
+        return {**self.server.body(text, max_tokens, temperature, seed), **self.fields}
 
     def count(self, chunks: list[dict]) -> tuple[int, int, int, int]:
         return self.server.count(chunks)

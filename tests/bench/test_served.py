@@ -8,7 +8,7 @@ import httpx
 import pytest
 
 from bench import served
-from bench.compare import schema_table, served_table
+from bench.compare import held_table, served_table
 from engine.cli.tiny import tiny_config, write_tiny_model
 
 TEXTS = ["The river", "A list of three colours:", "Once upon a time"]
@@ -44,8 +44,8 @@ def test_measure_counts_the_tokens_after_each_streams_first(tandem, lanes):
 
 def test_a_constrained_twin_holds_each_answer_to_the_schema_on_the_same_server(tandem):
     schema = {"type": "object", "properties": {"yes": {"type": "boolean"}}, "required": ["yes"]}
-    twin = served.Constrained(tandem, schema)
-    assert twin.url == tandem.url and twin.name == tandem.name + " [json schema]"
+    twin = served.Constrained(tandem, {"json_schema": schema}, "yes.json")
+    assert twin.url == tandem.url and twin.name == tandem.name + " [yes.json]"
     body = {**twin.body(TEXTS[0], 200, 0.0, 0), "stream": False}  # the whitespace between tokens is bounded
     text = httpx.post(twin.url + "/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
     assert "".join(text.split()) in ('{"yes":true}', '{"yes":false}')
@@ -53,15 +53,15 @@ def test_a_constrained_twin_holds_each_answer_to_the_schema_on_the_same_server(t
     assert sample.tokens == len(text) - 1  # the tiny model's tokens are bytes
 
 
-def test_schema_table_gives_each_system_held_to_the_schema_against_itself_free():
+def test_held_table_gives_each_system_held_to_a_grammar_against_itself_free():
     rows = [served.Series("tandem auto + draft-mtp", [150.0], drafted=100, accepted=60),
             served.Series(served.LlamaServer.NAME, [100.0]),
-            served.Series("tandem auto + draft-mtp [json schema]", [140.0], drafted=80, accepted=60),
-            served.Series(served.LlamaServer.NAME + " [json schema]", [90.0])]
-    lines = schema_table(rows).splitlines()
-    assert lines[1].split() == ["tandem", "auto", "+", "draft-mtp", "[json", "schema]", "140.0", "0.93x", "60/80",
+            served.Series("tandem auto + draft-mtp [answer.json]", [140.0], drafted=80, accepted=60),
+            served.Series(served.LlamaServer.NAME + " [any-text.gbnf]", [90.0])]
+    lines = held_table(rows).splitlines()
+    assert lines[1].split() == ["tandem", "auto", "+", "draft-mtp", "[answer.json]", "140.0", "0.93x", "60/80",
                                 "=", "0.75", "0.60"]
-    assert lines[2].split() == ["llama-server", "[json", "schema]", "90.0", "0.90x"]
+    assert lines[2].split() == ["llama-server", "[any-text.gbnf]", "90.0", "0.90x"]
 
 
 def test_table_gives_each_drafted_system_against_its_plain_twin_and_llama_server():
