@@ -28,7 +28,7 @@ from engine.sched.request import Draft, Request, Status, StepOutput
 from engine.sched.sampling import SamplingParams, choose, logprob_entry, make_generator
 from engine.sched.scheduler import PlannedRow
 from engine.settings import DraftLimits, EngineConfig
-from engine.spec.acceptance import draft_paths, verify
+from engine.spec.acceptance import verify
 from engine.spec.drafter import Drafter, Span
 from engine.spec.runner import DraftRunner
 from engine.stats import EngineStats, SlotInfo, slot_infos
@@ -242,8 +242,8 @@ class Engine:
         kept = None  # the row's tokens committed, by index, where they are not its first ones
         if p.decodes:
             draft, req.draft = req.draft, Draft()
-            masks = None if req.constraint is None else req.constraint.masks(draft_paths(draft))
-            verdict = verify(draft, out.logits[at:at + len(tokens)], req.params, req.token_ids, req.generator, masks)
+            verdict = verify(draft, out.logits[at:at + len(tokens)], req.params, req.token_ids, req.generator,
+                             req.constraint)
             if draft.drafted:
                 req.count_drafts(draft.drafted, verdict.accepted)
                 self.stats.count_drafts(draft.drafted, verdict.accepted)
@@ -256,9 +256,8 @@ class Engine:
         else:
             self.scheduler.commit(req, tokens)
             if p.samples:
-                mask = None if req.constraint is None else req.constraint.masks([[]])[0]
-                self._emit(req, [choose(out.logits[at], req.params, req.token_ids, req.generator, mask)], out.logits,
-                           [at], out.now)
+                self._emit(req, [choose(out.logits[at], req.params, req.token_ids, req.generator, req.constraint)],
+                           out.logits, [at], out.now)
         if self.drafting is None or req.status is not Status.RUNNING:
             return None
         start = out.starts[i]

@@ -14,6 +14,7 @@ request keeps its tokens, so its matcher stays where it was.
 from __future__ import annotations
 
 import json
+import math
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, replace
@@ -176,6 +177,19 @@ class Constraint:
         """The request committed these tokens (each one the mask allowed)."""
         if tokens and not self.matcher.consume_tokens(tokens):
             raise GrammarError(f"grammar: a committed token was refused: {self.matcher.get_error()}")
+
+    def allows(self, path: list[int], token: int) -> bool:
+        """Whether `token` may follow `path` (tokens from the committed ones, each allowed): a
+        walk of a few tokens, where a whole mask walks the vocabulary."""
+        return self.matcher.validate_tokens([*path, token]) == len(path) + 1
+
+    def best(self, logits: torch.Tensor, path: list[int]) -> int:
+        """The likeliest token of one row of logits [vocab] that may follow `path`. The row's own
+        argmax where the grammar allows it, as it mostly does (the mask then never needs making)."""
+        token = int(logits.argmax())
+        if self.allows(path, token):
+            return token
+        return int(logits.masked_fill(~self.masks([path])[0], -math.inf).argmax())
 
     def masks(self, paths: list[list[int]]) -> torch.Tensor:
         """[len(paths), vocab] bool: the tokens allowed after each path of tokens from the

@@ -133,14 +133,14 @@ def constrained(logits: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor
 
 
 def choose(logits: torch.Tensor, params: SamplingParams, history: list[int], generator: torch.Generator,
-           mask: torch.Tensor | None = None) -> int:
-    """One token from one row of logits, among those a grammar's mask allows."""
-    if params.greedy and not params.has_penalties and not params.logit_bias:
-        return int(constrained(logits, mask).argmax())
-    logits = constrained(adjust_logits(logits, params, history), mask)
+           constraint=None) -> int:
+    """One token from one row of logits, among those a grammar's constraint allows (engine.sched.grammar)."""
+    if not (params.greedy and not params.has_penalties and not params.logit_bias):
+        logits = adjust_logits(logits, params, history)
     if params.greedy:
-        return int(logits.argmax())
-    return sample(distribution(logits, params), generator)
+        return int(logits.argmax()) if constraint is None else constraint.best(logits, [])
+    return sample(distribution(constrained(logits, None if constraint is None else constraint.masks([[]])[0]),
+                               params), generator)
 
 
 def logprob_entry(logits: torch.Tensor, token: int, top: int) -> dict:

@@ -97,19 +97,19 @@ def draft_paths(draft: Draft) -> list[list[int]]:
 
 
 def verify(draft: Draft, logits: torch.Tensor, params: SamplingParams, history: list[int],
-           generator: torch.Generator, masks: torch.Tensor | None = None) -> Verdict:
+           generator: torch.Generator, constraint=None) -> Verdict:
     """The verdict on a draft that followed `history`, from the target's logits at each verified
     row ([1 + len(draft.row), vocab]). Penalties and bias apply at each row as if the tokens
-    before it on its path had been emitted; masks [rows, vocab] (a grammar's) then remove what
-    each row may not produce."""
+    before it on its path had been emitted; a grammar's constraint (engine.sched.grammar) then
+    removes what each row may not produce after its path."""
     paths = draft_paths(draft)
     if params.greedy:
         adjust = params.has_penalties or params.logit_bias
-        argmax = [int(constrained(adjust_logits(row, params, history + path) if adjust else row,
-                                  None if masks is None else masks[i]).argmax())
-                  for i, (row, path) in enumerate(zip(logits, paths))]
+        rows = [adjust_logits(row, params, history + path) if adjust else row for row, path in zip(logits, paths)]
+        argmax = [int(row.argmax()) if constraint is None else constraint.best(row, path)
+                  for row, path in zip(rows, paths)]
         return accept_greedy(draft.tokens, argmax, draft)
-    return accept_sampled(draft.tokens, _RowDistributions(logits, params, history, paths, masks), draft.q,
+    return accept_sampled(draft.tokens, _RowDistributions(logits, params, history, paths, constraint), draft.q,
                           generator, draft)
 
 
@@ -119,13 +119,14 @@ class _RowDistributions:
     the rows its walk reaches."""
 
     def __init__(self, logits: torch.Tensor, params: SamplingParams, history: list[int], paths: list[list[int]],
-                 masks: torch.Tensor | None):
-        self.logits, self.params, self.history, self.paths, self.masks = logits, params, history, paths, masks
+                 constraint):
+        self.logits, self.params, self.history, self.paths = logits, params, history, paths
+        self.constraint = constraint
         self.rows: dict[int, torch.Tensor] = {}
 
     def __getitem__(self, i: int) -> torch.Tensor:
         if i not in self.rows:
             logits = adjust_logits(self.logits[i], self.params, self.history + self.paths[i])
-            self.rows[i] = distribution(constrained(logits, None if self.masks is None else self.masks[i]),
-                                        self.params)
+            mask = None if self.constraint is None else self.constraint.masks([self.paths[i]])[0]
+            self.rows[i] = distribution(constrained(logits, mask), self.params)
         return self.rows[i]

@@ -167,3 +167,14 @@ def test_a_request_preempted_under_a_grammar_resumes_where_its_matcher_is(llama8
     alone = run_all(plain, prompts, GREEDY, grammar=spec)
     assert [r.output_ids for r in got] == [r.output_ids for r in alone]
     assert all(r.finish_reason == "stop" for r in got)
+
+
+def test_greedy_takes_the_rows_argmax_where_allowed_without_making_the_mask(plain, monkeypatch):
+    constraint = plain.grammars.constraint(GrammarSpec("regex", "ab[cd]e", "grammar"))
+    a, b, c, d, x = (plain.tokenizer.encode(ch)[0] for ch in "abcdx")
+    row = torch.zeros(plain.model.config.vocab_size)
+    row[[x, d, c]] = torch.tensor([9.0, 5.0, 3.0])
+    assert constraint.best(row, [a, b]) == d  # x is the argmax, refused after "ab": d is the best allowed
+    row[c] = 10.0
+    monkeypatch.setattr(constraint, "masks", lambda paths: pytest.fail("a mask was made for an allowed argmax"))
+    assert constraint.best(row, [a, b]) == c
