@@ -6,6 +6,7 @@ greedy tokens are those of the same request drafting nothing; a grammar that can
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 
 import jsonschema
 import pytest
@@ -65,12 +66,35 @@ def test_greedy_under_a_schema_with_drafts_gives_the_tokens_of_the_same_request_
     body = {"response_format": FORMAT, "logprobs": True, "top_logprobs": 5}
     drafted, plain = chat(client, **body), chat(client, **body, **{"speculative.n_max": 0})
     assert drafted["timings"]["draft_n"] > 0 and "draft_n" not in plain["timings"]
-    got, ref = (r["choices"][0]["logprobs"]["content"] for r in (drafted, plain))
+    assert_same_tokens(*(r["choices"][0]["logprobs"]["content"] for r in (drafted, plain)))
+
+
+def assert_same_tokens(got: list[dict], ref: list[dict]) -> None:
+    """Two greedy answers' logprobs entries agree by the exact-token rule: identical, or first
+    different where the two tokens were tied at the reference's row (its top_logprobs)."""
     i = first_difference([e["id"] for e in got], [e["id"] for e in ref])
-    if i is not None:  # only where the two tokens were tied at the reference's row
+    if i is not None:
         assert i < min(len(got), len(ref))
         top = {t["id"]: t["logprob"] for t in ref[i]["top_logprobs"]}
         assert got[i]["id"] in top and abs(top[got[i]["id"]] - top[ref[i]["id"]]) < NEAR_TIE, (i, got[i], ref[i])
+
+
+def test_a_schema_request_beside_a_plain_stream_leaves_the_stream_as_it_was_alone(client):
+    plain = {"messages": [{"role": "user", "content": "Write about lighthouses on a stormy coast."}],
+             "temperature": 0, "max_tokens": 64, "ignore_eos": True, "logprobs": True, "top_logprobs": 5}
+
+    def streamed() -> list[dict]:
+        with client.stream("POST", "/v1/chat/completions", json={**plain, "stream": True}) as r:
+            return [e for chunk in sse_events(r) if chunk["choices"] and chunk["choices"][0]["logprobs"]
+                    for e in chunk["choices"][0]["logprobs"]["content"]]
+
+    alone = streamed()
+    with ThreadPoolExecutor(2) as pool:
+        held = pool.submit(chat, client, response_format=FORMAT, max_tokens=200)
+        beside = pool.submit(streamed)
+        jsonschema.validate(json.loads(held.result()["choices"][0]["message"]["content"]), PERSON)
+        assert len(beside.result()) == len(alone) == 64
+    assert_same_tokens(beside.result(), alone)
 
 
 def test_json_object_on_text_completions_and_llama_servers_json_schema_field(client):
