@@ -32,10 +32,10 @@ def test_an_exception_sampling_one_request_fails_it_alone(engines, monkeypatch):
     alone = run_all(plain, PROMPTS[:1], [PARAMS])[0].output_ids
     real = engine.engine.choose
 
-    def choose(logits, params, history, generator):
+    def choose(logits, params, history, generator, constraint):
         if params.seed == 13:
             raise RuntimeError("poisoned")
-        return real(logits, params, history, generator)
+        return real(logits, params, history, generator, constraint)
     monkeypatch.setattr(engine.engine, "choose", choose)
     good, bad = run_all(plain, PROMPTS, [PARAMS, POISON])
     assert bad.finish_reason == "error" and good.finish_reason == "length" and good.output_ids == alone
