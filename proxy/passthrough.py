@@ -9,7 +9,7 @@ import json
 from urllib.parse import parse_qsl, urlencode
 
 from proxy.forward import ClientGone, DisconnectWatch, read_body, relay, send_error
-from server.protocol import COMPLETION_PATHS, APIError
+from server.protocol import COMPLETION_PATHS, APIError, body_problem
 
 BODY_LIMIT = 32 * 2**20
 MODEL_PATHS = COMPLETION_PATHS + ("/tokenize", "/detokenize", "/apply-template", "/v1/messages/count_tokens")
@@ -17,6 +17,9 @@ MODEL_PATHS = COMPLETION_PATHS + ("/tokenize", "/detokenize", "/apply-template",
 
 def model_of(body: bytes) -> tuple[str | None, str | None]:
     """(model, None) or (None, why the body names no model)."""
+    problem = body_problem(body)
+    if problem:
+        return None, problem
     try:
         data = json.loads(body)
     except ValueError:

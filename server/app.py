@@ -20,8 +20,8 @@ from server.llama_api import router as llama_router
 from server.messages_api import router as messages_router
 from server.openai_api import get_state, router
 from server.responses_api import router as responses_router
-from server.protocol import (ERROR_RESPONSES, APIError, ApplyTemplateRequest, DetokenizeRequest, TokenizeRequest,
-                             error_body)
+from server.protocol import (ERROR_RESPONSES, IGNORED_FIELDS, NEUTRAL_FIELDS, APIError, ApplyTemplateRequest,
+                             DetokenizeRequest, TokenizeRequest, error_body)
 from server.state import ServerState
 from web.pages import install_pages
 
@@ -113,6 +113,9 @@ def create_app(state: ServerState, on_load_failure: Callable[[BaseException], No
             # (server/chat_prompt.py): rendered by its template, or described in its system message.
             "constrained_decoding": {"library": "llguidance", "grammar": "gbnf", "json_schema": True,
                                      "response_format": ["text", "json_object", "json_schema"]},
+            # A request's top-level fields that are accepted and ignored on purpose (server.protocol): any
+            # other field tandem does not read is refused.
+            "ignored_fields": {"any_value": list(IGNORED_FIELDS), "only_this_value": NEUTRAL_FIELDS},
             "tools": {"call_format": "hermes", "template_renders_tools": renders_tools(engine.tokenizer),
                       "tool_choice": ["none", "auto", "required", "function"]},
             "compress_ratios": list(engine.model.config.layer_ratios),
@@ -157,6 +160,7 @@ def create_app(state: ServerState, on_load_failure: Callable[[BaseException], No
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest, request: Request):
         state = get_state(request)
+        state.check_model(body.model)
         tokenizer = state.runner.engine.tokenizer
         ids = await state.prompts.ids(body.content, body.add_special)
         if body.with_pieces:
@@ -165,7 +169,9 @@ def create_app(state: ServerState, on_load_failure: Callable[[BaseException], No
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest, request: Request):
-        engine = get_state(request).runner.engine
+        state = get_state(request)
+        state.check_model(body.model)
+        engine = state.runner.engine
         vocab = engine.model.config.vocab_size
         if any(not 0 <= t < vocab for t in body.tokens):
             raise APIError(400, f"tokens: ids must be in [0, {vocab})")
@@ -173,6 +179,8 @@ def create_app(state: ServerState, on_load_failure: Callable[[BaseException], No
 
     @app.post("/apply-template")
     async def apply_template(body: ApplyTemplateRequest, request: Request):
-        return {"prompt": render_chat(get_state(request).runner.engine.tokenizer, body.messages)}
+        state = get_state(request)
+        state.check_model(body.model)
+        return {"prompt": render_chat(state.runner.engine.tokenizer, body.messages)}
 
     return app

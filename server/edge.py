@@ -1,5 +1,6 @@
-"""Checks at the edge, before any handler runs: the API key, the body size limit, and refusing new
-requests while draining for shutdown. Also counts the requests in flight (a stream counts until
+"""Checks at the edge, before any handler runs: the API key, the body size limit, a body that is not
+UTF-8 or nests too deep (named, before any parser sees it), and refusing new requests while
+draining for shutdown. Also counts the requests in flight (a stream counts until
 its last byte is sent), which the graceful shutdown waits on, and of those the completions, which
 the wait queue's limit counts.
 
@@ -11,7 +12,7 @@ import asyncio
 import json
 
 from server.memory import BIG_BODY, give_back_freed_memory
-from server.protocol import COMPLETION_PATHS, APIError, error_body, is_open
+from server.protocol import COMPLETION_PATHS, body_problem, error_body, is_open
 from server.state import ServerState
 
 
@@ -40,11 +41,20 @@ class EdgeMiddleware:
         if scope["method"] == "POST":
             scope = {**scope, "headers": [(k, v) for k, v in scope["headers"] if k != b"content-type"]
                      + [(b"content-type", b"application/json")]}
+            body = await _whole_body(receive, settings.body_limit)
+            if body is None:  # the client left before it finished sending
+                return
+            if len(body) > settings.body_limit:  # chunked, without a Content-Length to refuse it by
+                return await _reply(send, 413, f"request body exceeds the limit of {settings.body_limit} bytes")
+            problem = body_problem(body)
+            if problem:
+                return await _reply(send, 400, problem)
+            receive = _replayed(body, receive)
         completion = path in COMPLETION_PATHS
         self.state.in_flight += 1
         self.state.completions += completion
         try:
-            await self.app(scope, _limited(receive, settings.body_limit), send)
+            await self.app(scope, receive, send)
         finally:
             self.state.in_flight -= 1
             self.state.completions -= completion
@@ -52,18 +62,31 @@ class EdgeMiddleware:
                 await asyncio.to_thread(give_back_freed_memory)
 
 
-def _limited(receive, limit: int):
-    """A receive that refuses a body (e.g. chunked, without Content-Length) growing past the limit."""
-    seen = 0
+async def _whole_body(receive, limit: int) -> bytes | None:
+    """The request's body, read to its end or until it is past `limit` bytes (by its last chunk
+    at most); None if the client disconnected first."""
+    chunks, size = [], 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return None
+        chunks.append(message.get("body", b""))
+        size += len(chunks[-1])
+        if not message.get("more_body") or size > limit:
+            return b"".join(chunks)
+
+
+def _replayed(body: bytes, receive):
+    """A receive that gives the app the body already read, then what the client sends next (its
+    disconnect, which a whole answer watches for)."""
+    sent = False
 
     async def wrapped():
-        nonlocal seen
-        message = await receive()
-        if message["type"] == "http.request":
-            seen += len(message.get("body", b""))
-            if seen > limit:
-                raise APIError(413, f"request body exceeds the limit of {limit} bytes")
-        return message
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
 
     return wrapped
 

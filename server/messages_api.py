@@ -15,13 +15,13 @@ import uuid
 from typing import Any, AsyncIterator, Literal
 
 from fastapi import APIRouter, Request
-from pydantic import Field, ValidationError
+from pydantic import Field
 
 from server.answers import reply, whole_answer
 from server.chat_prompt import render_chat
 from server.generation import Final, Piece
 from server.openai_api import engine_error, get_state, prepare_chat
-from server.protocol import APIError, Body, ChatCompletionRequest, validation_problems
+from server.protocol import APIError, Body, ChatCompletionRequest, RequestBody, translated_chat
 from server.state import ServerState
 from server.tool_calls import ArgumentsDelta, Call, CallEnded, CallStarted, Event
 
@@ -35,7 +35,7 @@ class AnthropicMessage(Body):
     content: str | list[dict[str, Any]]
 
 
-class MessagesRequest(Body):
+class MessagesRequest(RequestBody):
     model: str | None = None
     max_tokens: int = Field(ge=1)
     messages: list[AnthropicMessage]
@@ -50,7 +50,7 @@ class MessagesRequest(Body):
     metadata: dict[str, Any] | None = None
 
 
-class CountTokensRequest(Body):
+class CountTokensRequest(RequestBody):
     model: str | None = None
     messages: list[AnthropicMessage]
     system: str | list[dict[str, Any]] | None = None
@@ -115,17 +115,15 @@ def to_chat(body: MessagesRequest) -> ChatCompletionRequest:
             raise APIError(400, f"tool_choice.type: {kind!r} must be auto, any, tool or none")
         chat["tool_choice"] = CHOICES[kind]
     chat["parallel_tool_calls"] = not choice.get("disable_parallel_tool_use", False)
-    try:
-        return ChatCompletionRequest.model_validate(chat)
-    except ValidationError as e:
-        raise APIError(400, "; ".join(validation_problems(e.errors()))) from None
+    return translated_chat(chat)
 
 
 @router.post("/v1/messages/count_tokens")
 async def count_tokens(body: CountTokensRequest, request: Request):
     state = get_state(request)
+    state.check_model(body.model)
     tokenizer = state.runner.engine.tokenizer
-    chat = ChatCompletionRequest.model_validate({"messages": _messages(body), "tools": _tools(body.tools)})
+    chat = translated_chat({"messages": _messages(body), "tools": _tools(body.tools)})
     return {"input_tokens": len(await state.prompts.prompt_ids(render_chat(tokenizer, chat.messages, chat.tools)))}
 
 

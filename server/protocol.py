@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from web import STATIC_PREFIX
 
@@ -80,6 +81,27 @@ ERROR_RESPONSES: dict[int | str, dict] = {
         ("default", "Any other error, in the same shape"))}
 
 
+MAX_JSON_DEPTH = 128  # levels of [ and { a body may nest: deeper is refused before it is parsed
+_JSON_STRING = re.compile(rb'"(?:[^"\\]++|\\.)*+"')
+_JSON_NESTING = re.compile(rb"[\[\]{}]")
+
+
+def body_problem(body: bytes) -> str | None:
+    """What makes a request body unreadable as JSON text before it is parsed, named; None if nothing.
+    Both HTTP apps ask before they parse: a parser would answer only that it failed, and a deep
+    enough nesting exhausts its recursion."""
+    try:
+        body.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return f"body is not valid UTF-8 at byte {e.start}"
+    depth = 0
+    for bracket in _JSON_NESTING.findall(_JSON_STRING.sub(b'""', body)):
+        depth += 1 if bracket in b"[{" else -1
+        if depth > MAX_JSON_DEPTH:
+            return f"JSON nested deeper than {MAX_JSON_DEPTH} levels of [ and {{"
+    return None
+
+
 def validation_problems(errors) -> list[str]:
     """pydantic's errors (`ValidationError.errors()`), one line each naming the field and the rule:
     `temperature: must be >= 0`. Both HTTP apps and the proxy's config reader word them this way."""
@@ -97,7 +119,8 @@ def validation_problems(errors) -> list[str]:
 
 
 class Body(BaseModel):
-    # Unknown fields are accepted (clients send many) but never change behaviour.
+    # Inside a request (messages, tools, formats) a field tandem does not read is let through,
+    # as the SDKs' own objects carry many; a request's top level is RequestBody's.
     model_config = ConfigDict(extra="allow")
 
     @model_validator(mode="before")
@@ -111,6 +134,33 @@ class Body(BaseModel):
             raise ValueError(f"{'.'.join(map(str, path)) or 'body'}: not valid Unicode text "
                              f"(a lone surrogate at character {i})")
         return data
+
+
+# What a request's top level may carry that tandem ignores on purpose: OpenAI's bookkeeping, and
+# llama-server's switches that tandem lacks, accepted only with the value that switches them off
+# (the llama.cpp web UI sends them so). Any other field tandem does not read is refused, naming
+# it; /props lists both.
+IGNORED_FIELDS = ("user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier",
+                  "timings_per_token")
+NEUTRAL_FIELDS = {"typical_p": 1.0, "mirostat": 0, "tfs_z": 1.0, "dynatemp_range": 0.0, "xtc_probability": 0.0,
+                  "dry_multiplier": 0.0, "repeat_last_n": 64, "n_keep": 0, "min_keep": 0}
+
+
+class RequestBody(Body):
+    """A request's whole body: every field is read, ignored on purpose (IGNORED_FIELDS), or refused."""
+    model_config = ConfigDict(extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _ignored(cls, data):
+        if not isinstance(data, dict):
+            return data
+        ours = {f.alias or name for name, f in cls.model_fields.items()}
+        switched_on = [f"{k}={data[k]!r}: not supported by this server (only {v!r}, which switches it off)"
+                       for k, v in NEUTRAL_FIELDS.items() if k in data and k not in ours and data[k] != v]
+        if switched_on:
+            raise ValueError("; ".join(switched_on))
+        return {k: v for k, v in data.items() if k in ours or (k not in IGNORED_FIELDS and k not in NEUTRAL_FIELDS)}
 
 
 def _lone_surrogate(value, path: tuple = ()) -> tuple[tuple, int] | None:
@@ -197,7 +247,7 @@ class GrammarSource:
     field: str
 
 
-class SamplingFields(Body):
+class SamplingFields(RequestBody):
     """Generation parameters common to chat and text completions (OpenAI names plus llama-server's)."""
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
@@ -233,6 +283,25 @@ class SamplingFields(Body):
     spec_n_min: int | None = Field(default=None, alias="speculative.n_min", json_schema_extra={"minimum": 0})
     spec_p_min: float | None = Field(default=None, alias="speculative.p_min",
                                      json_schema_extra={"minimum": 0, "maximum": 1})
+
+    @model_validator(mode="before")
+    @classmethod
+    def _speculative_object(cls, data):
+        """llama-server's flat keys may come as one object too, `"speculative": {"n_max": 2}`,
+        checked as they are."""
+        if not isinstance(data, dict) or "speculative" not in data:
+            return data
+        nested = data["speculative"]
+        if not isinstance(nested, dict):
+            raise ValueError(f"speculative: must be an object with n_max, n_min or p_min, got {nested!r}")
+        unknown = sorted(set(nested) - {"n_max", "n_min", "p_min"})
+        if unknown:
+            raise ValueError(f"speculative: unknown key(s) {', '.join(unknown)} (it holds n_max, n_min, p_min)")
+        flat = {f"speculative.{k}": v for k, v in nested.items()}
+        twice = [k for k in flat if k in data]
+        if twice:
+            raise ValueError(f"{twice[0]}: given both flat and inside the speculative object; give one")
+        return {**{k: v for k, v in data.items() if k != "speculative"}, **flat}
 
     @field_validator("spec_n_max", "spec_n_min")
     @classmethod
@@ -476,6 +545,15 @@ class ChatCompletionRequest(SamplingFields):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
+def translated_chat(data: dict) -> ChatCompletionRequest:
+    """A chat made from another API's request (Responses, Messages): what it gets wrong is a 400
+    in the chat's own field names."""
+    try:
+        return ChatCompletionRequest.model_validate(data)
+    except ValidationError as e:
+        raise APIError(400, "; ".join(validation_problems(e.errors()))) from None
+
+
 class CompletionRequest(SamplingFields):
     prompt: str | list[int] | list[str] = Field(json_schema_extra={"anyOf": [
         {"type": "string", "minLength": 1},
@@ -545,17 +623,22 @@ class LlamaCompletionRequest(SamplingFields):
         return self.n_probs or None
 
 
-class TokenizeRequest(Body):
+class ModelRequest(RequestBody):
+    """A request that names its model, as the proxy routes it; the server checks it is its own."""
+    model: str | None = None
+
+
+class TokenizeRequest(ModelRequest):
     content: str
     add_special: bool = False
     with_pieces: bool = False
 
 
-class DetokenizeRequest(Body):
+class DetokenizeRequest(ModelRequest):
     tokens: list[int]
 
 
-class ApplyTemplateRequest(Body):
+class ApplyTemplateRequest(ModelRequest):
     messages: Messages
 
 

@@ -15,12 +15,12 @@ import uuid
 from typing import Any, AsyncIterator
 
 from fastapi import APIRouter, Request
-from pydantic import Field, ValidationError, field_validator
+from pydantic import Field, field_validator
 
 from server.answers import reply, whole_answer
 from server.generation import Final, Piece
 from server.openai_api import engine_error, get_state, prepare_chat
-from server.protocol import APIError, ChatCompletionRequest, Body, validation_problems
+from server.protocol import APIError, ChatCompletionRequest, RequestBody, translated_chat
 from server.state import ServerState
 from server.tool_calls import ArgumentsDelta, Call, CallEnded, CallStarted, Event
 
@@ -28,7 +28,7 @@ router = APIRouter()
 TEXT_PARTS = ("input_text", "output_text", "text")
 
 
-class ResponsesRequest(Body):
+class ResponsesRequest(RequestBody):
     model: str | None = None
     input: str | list[dict[str, Any]]
     instructions: str | None = None
@@ -100,10 +100,7 @@ def to_chat(body: ResponsesRequest) -> ChatCompletionRequest:
             k: fmt[k] for k in ("name", "schema", "strict", "description") if k in fmt}}
     elif fmt:
         chat["response_format"] = {"type": fmt.get("type")}
-    try:
-        return ChatCompletionRequest.model_validate(chat)
-    except ValidationError as e:
-        raise APIError(400, "; ".join(validation_problems(e.errors()))) from None
+    return translated_chat(chat)
 
 
 def _chat_tool(tool: dict, i: int) -> dict:

@@ -122,6 +122,9 @@ def test_stop_string_is_never_emitted(client):
 
 BAD_INPUTS = [
     ("malformed json", b'{"messages": [', "malformed JSON"),
+    ("invalid UTF-8", b'{"messages": [{"role": "user", "content": "\xff"}]}', "body is not valid UTF-8 at byte 43"),
+    ("nested too deep", b'{"messages": [{"role": "user", "content": "hi"}], "x": ' + b"[" * 5000 + b"]" * 5000 + b"}",
+     "JSON nested deeper than 128 levels"),
     ("wrong type", {**CHAT, "max_tokens": "many"}, "max_tokens"),
     ("unknown role", {"messages": [{"role": "wizard", "content": "hi"}]}, "wizard"),
     ("empty messages", {"messages": []}, "messages"),
@@ -149,6 +152,10 @@ BAD_INPUTS = [
     ("infinite presence_penalty", b'{"messages": [{"role": "user", "content": "hi"}], "presence_penalty": Infinity}',
      "presence_penalty"),
     ("negative top_k", {**CHAT, "top_k": -1}, "top_k"),
+    ("unknown field", {**CHAT, "frobnicate": 1}, "frobnicate: unknown key"),
+    ("an engine name for a field", {**CHAT, "repetition_penalty": 1.1}, "repetition_penalty: unknown key"),
+    ("a llama-server sampler switched on", {**CHAT, "typical_p": 0.9, "mirostat": 2},
+     "typical_p=0.9: not supported by this server (only 1.0, which switches it off); mirostat=2"),
 ]
 
 
@@ -159,6 +166,17 @@ def test_bad_input_gets_a_400_naming_the_problem(client, name, body, word):
     else:
         r = client.post("/v1/chat/completions", json=body)
     assert_error(r, 400, word)
+
+
+def test_fields_ignored_on_purpose_are_accepted_and_listed(client):
+    ignored = {"user": "u-1", "metadata": {"run": "7"}, "store": False, "typical_p": 1.0, "mirostat": 0,
+               "dry_multiplier": 0.0, "repeat_last_n": 64}
+    r = client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 8, **ignored})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["content"] == \
+        client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 8}).json()["choices"][0]["message"]["content"]
+    listed = client.get("/props").json()["ignored_fields"]
+    assert {"user", "metadata", "store"} <= set(listed["any_value"]) and listed["only_this_value"]["typical_p"] == 1.0
 
 
 @pytest.mark.parametrize("path,body,field", [

@@ -96,11 +96,26 @@ def test_request_limits_keep_greedy_text_and_bound_the_drafts(servers):
     assert 0 < one["timings"]["draft_n"] <= one["timings"]["predicted_n"]
 
 
+def test_the_limits_as_one_speculative_object_are_the_flat_keys(servers):
+    plain, spec = servers
+    one = complete(spec, speculative={"n_max": 1, "n_min": 1, "p_min": 0.9})
+    assert one["choices"][0]["text"] == complete(plain)["choices"][0]["text"]
+    assert 0 < one["timings"]["draft_n"] <= one["timings"]["predicted_n"]
+
+
 @pytest.mark.parametrize("extra, message", [
     ({"speculative.n_max": 4},
      "speculative.n_max=4: must be <= the server's --spec-draft-n-max=3 (its verify rows are sized for it)"),
     ({"speculative.n_min": 4}, "speculative.n_min=4: must be in 0..speculative.n_max=3"),
     ({"speculative.p_min": 2}, "speculative.p_min: must be in [0, 1], got 2.0"),
+    ({"speculative": {"n_max": 1000000000}},
+     "speculative.n_max=1000000000: must be <= the server's --spec-draft-n-max=3 (its verify rows are sized for it)"),
+    ({"speculative": {"n_max": "x"}}, "speculative.n_max: Input should be a valid integer, unable to parse string as an integer"),
+    ({"speculative": {"n_max": -3}}, "speculative.n_max: must be >= 0 (0 drafts nothing), got -3"),
+    ({"speculative": {"p_min": 5}}, "speculative.p_min: must be in [0, 1], got 5.0"),
+    ({"speculative": {"n_maxx": 2}}, "speculative: unknown key(s) n_maxx (it holds n_max, n_min, p_min)"),
+    ({"speculative": {"n_max": 2}, "speculative.n_max": 2},
+     "speculative.n_max: given both flat and inside the speculative object; give one"),
 ])
 def test_bad_request_limits_are_refused_naming_field_value_and_rule(servers, extra, message):
     _, spec = servers
