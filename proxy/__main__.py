@@ -1,7 +1,8 @@
 """`python -m proxy --config configs/proxy.yaml`: one port for many models.
 
 Validates the config (every problem at once, exit code 2), then serves. SIGHUP (or POST
-/config/reload) re-reads the profiles; SIGTERM or Ctrl-C stops every server the proxy started.
+/config/reload) re-reads the profiles; SIGTERM or Ctrl-C drains every model, stops every server the
+proxy started and exits 0 (ProxyServer).
 """
 from __future__ import annotations
 
@@ -28,6 +29,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--state-dir", help="job records, child records and server logs")
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every API call "
                                      "(/health, /openapi.json and /docs stay open)")
+    p.add_argument("--drain-timeout", type=float, dest="shutdown_drain_timeout",
+                   help="seconds running requests get to finish after SIGTERM (default from the config's "
+                        "shutdown_drain_timeout, else each profile's drain_timeout)")
     p.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="least severe log level written")
     p.add_argument("--log-format", choices=LOG_FORMATS, default="text", help="text, or json: one object per line")
     p.add_argument("--check", action="store_true", help="validate the config, list the profiles, and exit")
@@ -35,11 +39,28 @@ def parser() -> argparse.ArgumentParser:
 
 
 class ProxyServer(uvicorn.Server):
-    """uvicorn plus SIGHUP for a config reload."""
+    """uvicorn plus SIGHUP for a config reload, and a drain on SIGTERM or SIGINT: the models unload
+    as unload jobs do (their requests finish within --drain-timeout, or each profile's drain_timeout,
+    or end with an in-band error event), then uvicorn stops and the proxy exits 0. A second signal ends the
+    running requests at once."""
+
+    _drain: asyncio.Task | None = None
 
     async def startup(self, sockets=None) -> None:
         await super().startup(sockets)
         asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, self._reload)
+
+    def handle_exit(self, sig: int, frame) -> None:
+        # Not uvicorn's: it would raise the signal again once stopped, and the proxy would exit -15.
+        proxy = getattr(self.config.app.state, "proxy", None)
+        if proxy is None or not self.started:
+            self.should_exit = True
+        elif self._drain is None:
+            log.info("signal %d: draining before exit (a second signal ends the running requests)", sig)
+            self._drain = asyncio.get_event_loop().create_task(proxy.drain())
+            self._drain.add_done_callback(lambda _: setattr(self, "should_exit", True))
+        else:
+            proxy.cut_short()
 
     def _reload(self) -> None:
         try:
@@ -52,7 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     a = parser().parse_args(argv)
     setup_logging(a.log_level, a.log_format)
     overrides = {k: v for k, v in (("host", a.host), ("port", a.port), ("state_dir", a.state_dir),
-                                   ("api_key", a.api_key)) if v is not None}
+                                   ("api_key", a.api_key), ("shutdown_drain_timeout", a.shutdown_drain_timeout))
+                 if v is not None}
     try:
         config = load_config(a.config, overrides)
     except ProxyConfigError as e:

@@ -11,7 +11,7 @@ import sqlite3
 from dataclasses import dataclass
 
 from fastapi import FastAPI, Query, Request
-from fastapi.responses import PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import ValidationError
 from starlette.routing import Route
 
@@ -22,9 +22,10 @@ from proxy.controller import Controller
 from proxy.cores import CorePlan
 from proxy.events import Reload
 from proxy.forward import send_error
-from proxy.jobs import JobRequest, JobStatus, JobStore
+from proxy.jobs import JobRequest, JobStatus, JobStore, JobType, Trigger
 from proxy.logbus import BusHandler, LogBus
 from proxy.metrics import ProxyMetrics
+from proxy.model_state import ModelStatus
 from proxy.passthrough import MODEL_PATHS, Completions, Upstream
 from proxy.supervisor import Supervisor
 from proxy.upstream import UpstreamClient
@@ -33,6 +34,7 @@ from server.protocol import ERROR_RESPONSES, APIError, is_open, validation_probl
 from web.pages import install_pages
 
 log = logging.getLogger("tandem.proxy")
+RETRY_AFTER_S = 5  # what a request refused while the proxy drains is told to wait (a restarted proxy's load)
 
 
 @dataclass
@@ -47,6 +49,27 @@ class Proxy:
     metrics: ProxyMetrics
     activity: Activity
     upstream: UpstreamClient
+
+    draining: bool = False  # SIGTERM or SIGINT came: new requests get 503, running ones finish
+
+    async def drain(self) -> None:
+        """Unloads every model as an unload job does, recorded in the job history as the
+        shutdown's: its requests have the proxy's shutdown_drain_timeout (or the profile's
+        drain_timeout) to finish, then those still
+        running end with an in-band error event; its servers stop cleanly. Meanwhile new requests
+        get 503 with Retry-After. Returns once every unload has ended."""
+        self.draining = True
+        models = [name for name, m in self.controller.models.items() if m.status is not ModelStatus.unloaded
+                  or m.pool.replicas]
+        log.info("shutting down: draining %d model(s)", len(models))
+        jobs = [await self.controller.submit(JobType.unload, name, Trigger.shutdown) for name in models]
+        while any(job.id in self.controller.jobs for job in jobs):
+            await asyncio.sleep(0.05)
+
+    def cut_short(self) -> None:
+        """A second signal: the requests still running end now, each with an in-band error event."""
+        for m in self.controller.models.values():
+            self.controller.effects.cancel_leases(m.pool.leases(), "the proxy is shutting down now (a second signal)")
 
     def reload(self) -> ProxyConfig:
         """Re-reads the config; raises ProxyConfigError (and changes nothing) when any profile is invalid."""
@@ -79,6 +102,10 @@ class Front:
             if given != self.expected:
                 await send_error(send, 401, "invalid or missing API key (Authorization: Bearer KEY)")
                 return
+        if self.state.proxy.draining and not is_open(scope["path"]):
+            await send_error(send, 503, "the proxy is shutting down: its models are draining",
+                             headers=[(b"retry-after", str(RETRY_AFTER_S).encode())])
+            return
         relay = self.relays.get((scope["method"], scope["path"]))
         if relay is None:
             await self.api(scope, receive, send)
@@ -139,7 +166,9 @@ def create_app(config: ProxyConfig, overrides: dict | None = None) -> Front:
     install_pages(app, {"/": "chat.html", "/ui": "operator.html"})
 
     @app.get("/health")
-    async def health():
+    async def health(request: Request):
+        if proxy_of(request).draining:
+            return JSONResponse({"status": "draining"}, status_code=503)
         return {"status": "ok"}
 
     @app.post("/jobs", status_code=202)

@@ -46,7 +46,7 @@ class Profile(_Strict):
     env: dict[str, str] = Field(default_factory=dict)
     replicas: tuple[ReplicaSpec, ...] = (ReplicaSpec(),)
     health_timeout: float = Field(default=120.0, gt=0)
-    drain_timeout: float = Field(default=30.0, ge=0)
+    drain_timeout: float = Field(default=60.0, ge=0)  # as the server's --drain-timeout
     stop_grace: float = Field(default=10.0, ge=0)  # SIGTERM -> SIGKILL
     autoload: bool = False
     ttl: float = Field(default=0.0, ge=0)  # idle seconds before an automatic unload; 0: never
@@ -118,6 +118,9 @@ class ProxySettings(_Strict):
     # Split the proxy's CPUs among the replicas it runs (proxy/cores.py); a replica whose args say
     # -C or -Cr keeps those.
     pin_cpus: bool = True
+    # Seconds the models' requests get to finish when the proxy is stopped (SIGTERM, SIGINT); None:
+    # each profile's drain_timeout, as an unload gives them.
+    shutdown_drain_timeout: float | None = Field(default=None, ge=0)
 
 
 @dataclass(frozen=True)

@@ -222,7 +222,7 @@ class Controller:
         message = f"unloaded {len(e.replicas)} replica(s) in {self.clock() - m.current.started_at:.1f} s"
         if m.drain_cancelled:
             message += (f"; {m.drain_cancelled} request(s) still running after the "
-                        f"{m.profile.drain_timeout:g} s drain timeout were cancelled")
+                        f"{m.drain_timeout:g} s drain timeout were cancelled")
         self.runner.finish(m, JobStatus.succeeded, message)
         if m.removed and m.current is None and not m.queue:
             del self.models[m.name]
@@ -241,7 +241,7 @@ class Controller:
         leases = m.pool.leases()
         m.drain_cancelled = len(leases)
         self.effects.cancel_leases(leases, f"model {m.name!r} was unloaded; the request did not finish within "
-                                           f"the {m.profile.drain_timeout:g} s drain timeout")
+                                           f"the {m.drain_timeout:g} s drain timeout")
         self.runner.stop(m)
 
     def _on_IdleCheck(self, e: ev.IdleCheck) -> None:

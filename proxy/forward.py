@@ -81,13 +81,14 @@ async def send_json(send, status: int, body: dict, headers: list | None = None) 
     await send({"type": "http.response.body", "body": data, "more_body": False})
 
 
-async def send_error(send, status: int, message: str, type_: str | None = None) -> None:
-    await send_json(send, status, error_body(status, message, type_))
+async def send_error(send, status: int, message: str, type_: str | None = None, headers: list | None = None) -> None:
+    await send_json(send, status, error_body(status, message, type_), headers)
 
 
 def sse_error_event(message: str, status: int, type_: str | None = None) -> bytes:
-    """The OpenAI-style error event that ends a stream the proxy could not finish."""
-    return b"data: " + json.dumps(error_body(status, message, type_)).encode() + b"\n\n"
+    """The OpenAI-style error event that ends a stream the proxy could not finish, then [DONE], so a
+    client reading to the end sees the stream closed as a stream ends."""
+    return b"data: " + json.dumps(error_body(status, message, type_)).encode() + b"\n\ndata: [DONE]\n\n"
 
 
 def find_timings(tail: deque[bytes], sse: bool) -> dict | None:

@@ -103,7 +103,10 @@ class JobRunner:
             self.submit(m, JobType.load, Trigger.autoload, "requests waited for it while it unloaded")
         elif not m.pending(JobType.load):
             m.pool.fail_waiters(APIError(503, f"model {m.name!r} is being unloaded"))
-        self.effects.call_later(m.profile.drain_timeout, ev.DrainTimeout(m.current.id))
+        shutdown = self.config.settings.shutdown_drain_timeout
+        m.drain_timeout = shutdown if m.current.trigger is Trigger.shutdown and shutdown is not None \
+            else m.profile.drain_timeout
+        self.effects.call_later(m.drain_timeout, ev.DrainTimeout(m.current.id))
         self.maybe_stop(m)
 
     def maybe_stop(self, m: ModelState) -> None:

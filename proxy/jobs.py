@@ -38,6 +38,7 @@ class Trigger(str, Enum):
     idle_ttl = "idle_ttl"
     restart = "restart"  # a replica failed and the profile says `restart: on-failure`
     exclusive = "exclusive"  # another member of an exclusive group is loading
+    shutdown = "shutdown"  # the proxy is stopping (SIGTERM or SIGINT): each model drains, then stops
 
 
 class JobRequest(BaseModel):

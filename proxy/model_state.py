@@ -29,6 +29,7 @@ class ModelState:
     waiting_for_group: bool = False  # current is a load waiting for exclusive-group members to unload
     stopping: bool = False  # the current unload has asked the supervisor to stop the replicas
     drain_cancelled: int = 0  # requests the current unload cut off at its drain timeout
+    drain_timeout: float = 0.0  # the current unload's: the profile's, or the proxy's at shutdown
     restarts: int = 0  # automatic restarts since the last load that was not one
     idle_stamp: int = 0  # bumped on every use; an idle check armed with an older stamp is stale
     last_error: str | None = None

@@ -149,9 +149,7 @@ def test_every_readme_command_runs(tmp_path):
                 assert ("data: [DONE]" if '"stream": true' in command else '"id"') in done.stdout, done.stdout
     finally:
         codes = {kind: service.stop() for kind, service in services.items()}
-    # The proxy ends as uvicorn ends on SIGTERM: its servers stopped, then the signal raised again
-    # (-15); a proxy that drains and exits 0 is issue 32's.
-    assert codes.get("server", 0) == 0 and codes.get("proxy", 0) in (0, -signal.SIGTERM), codes
+    assert codes.get("server", 0) == 0 and codes.get("proxy", 0) == 0, codes  # both drain on SIGTERM, then exit 0
 
 
 def _torchrun_pair(commands: list[str], tmp: Path) -> None:

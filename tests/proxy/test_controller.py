@@ -197,7 +197,7 @@ def test_drain_timeout_cancels_what_still_runs(h):
     lease = h.acquire("a").result()
     unload = h.submit("unload", "a")
     delay, timeout = next(t for t in h.fx.timers if isinstance(t[1], ev.DrainTimeout))
-    assert delay == 30.0
+    assert delay == 60.0  # the profile's default, as the server's --drain-timeout
     h.s.handle(timeout)
     assert h.fx.cancelled[0][0] is lease and h.fx.stops[-1][1] == unload.id
     h.finish_stop("a")

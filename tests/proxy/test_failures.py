@@ -41,7 +41,7 @@ def test_upstream_killed_mid_stream_ends_the_stream_with_an_error_and_restarts(p
         wait_until(lambda: next(lines).startswith("data: "), 30, "the first event")
         os.kill(before["pid"], signal.SIGKILL)
         events = sse_events(lines)
-    assert "error" in events[-1] and "upstream" in events[-1]["error"]["message"], events[-1]
+    assert events[-1] == "[DONE]" and "upstream" in events[-2]["error"]["message"], events[-2:]
     restarted = wait_until(lambda: [r for r in proxy.replicas("crashy") if r["state"] == "ready"], 90,
                            "the replica to come back")
     assert restarted[0]["pid"] != before["pid"]
@@ -64,7 +64,7 @@ def test_exclusive_group_swaps_models_with_recorded_jobs(proxy):
         wait_until(lambda: next(lines).startswith("data: "), 30, "the first event")
         load_y = proxy.client.post("/jobs", json={"type": "load", "model": "y"}).json()
         events = sse_events(lines)
-    assert "drain timeout" in events[-1]["error"]["message"], events[-1]
+    assert events[-1] == "[DONE]" and "drain timeout" in events[-2]["error"]["message"], events[-2:]
     load_y = proxy.wait_job(load_y["id"])
     assert load_y["status"] == "succeeded"
     unload_x = proxy.client.get("/jobs", params={"model": "x", "limit": 1}).json()[0]
