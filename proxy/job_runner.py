@@ -68,6 +68,8 @@ class JobRunner:
             group = m.profile.group
             for other in blockers:
                 if not other.pending(JobType.unload):
+                    if other.status is ModelStatus.ready and m.current.trigger is not Trigger.restore:
+                        m.displaced.append(other.name)
                     self.submit(other, JobType.unload, Trigger.exclusive,
                                 f"making way for {m.name!r} (exclusive group {group!r})")
             message = f"waiting for {', '.join(o.name for o in blockers)} to unload (exclusive group {group!r})"
@@ -121,9 +123,19 @@ class JobRunner:
 
     def finish(self, m: ModelState, status: JobStatus, message: str, error: str | None = None,
                log_tail: list[str] | None = None) -> None:
-        """Ends the model's current job and starts whatever can start now."""
+        """Ends the model's current job and starts whatever can start now. A load that ends
+        cancelled or failed loads back what it unloaded from its exclusive group."""
         job, m.current, m.waiting_for_group = m.current, None, False
+        displaced, m.displaced = m.displaced, []
+        undone = job.type is JobType.load and status in (JobStatus.cancelled, JobStatus.failed)
+        if undone and displaced:
+            message += f"; loading back what it unloaded: {', '.join(displaced)}"
         self.settle(job, status, message, error, log_tail)
+        for name in displaced if undone else ():
+            other = self.models.get(name)
+            if other is not None and not other.removed and not other.pending(JobType.load):
+                self.submit(other, JobType.load, Trigger.restore,
+                            f"the load of {m.name!r} that unloaded it was {status.value} (job {job.id})")
         self.advance_all()
 
     def settle(self, job: Job, status: JobStatus, message: str, error: str | None = None,

@@ -39,6 +39,7 @@ class Trigger(str, Enum):
     restart = "restart"  # a replica failed and the profile says `restart: on-failure`
     exclusive = "exclusive"  # another member of an exclusive group is loading
     shutdown = "shutdown"  # the proxy is stopping (SIGTERM or SIGINT): each model drains, then stops
+    restore = "restore"  # a swap in an exclusive group was cancelled or failed: what it unloaded loads back
 
 
 class JobRequest(BaseModel):

@@ -35,6 +35,9 @@ class ModelState:
     last_error: str | None = None
     removed: bool = False  # its profile left the config on reload; dropped once unloaded
     cancels: list[asyncio.Future | None] = field(default_factory=list)  # DELETE /jobs replies awaiting the load's end
+    # The exclusive-group members the current load unloaded while they served: loaded back if the
+    # load is cancelled or fails, so that a swap is all or nothing.
+    displaced: list[str] = field(default_factory=list)
 
     @property
     def name(self) -> str:

@@ -337,6 +337,37 @@ def test_a_load_waiting_for_its_group_is_cancelled_at_once(swap):
     reply = h.cancel(load_y.id)
     assert reply.result().status is JobStatus.cancelled and "exclusive group" in reply.result().message
     assert h.fx.load_cancels == [] and [x[1] for x in h.fx.loads] == ["x"]
-    h.s.handle(ev.Release(x_lease))  # the unload it asked for still runs to its end
+    h.s.handle(ev.Release(x_lease))  # the unload it asked for still runs to its end, then x loads back
     h.finish_stop("x")
-    assert h.s.models["x"].status is ModelStatus.unloaded and [x[1] for x in h.fx.loads] == ["x"]
+    assert [x[1] for x in h.fx.loads] == ["x", "x"] and h.store.list(model="x")[0].trigger is Trigger.restore
+    h.finish_load("x")
+    assert h.s.models["x"].status is ModelStatus.ready
+
+
+@pytest.mark.parametrize("how", ["cancelled", "failed"])
+def test_a_swap_that_is_cancelled_or_fails_loads_back_what_it_unloaded(swap, how):
+    h = swap
+    load_y = h.submit("load", "y")
+    h.finish_stop("x")  # x made way for y, which starts loading
+    assert [x[1] for x in h.fx.loads] == ["x", "y"] and h.s.models["x"].status is ModelStatus.unloaded
+    if how == "cancelled":
+        h.cancel(load_y.id)
+        h.s.handle(ev.LoadCancelled(load_y.id, "y", [101]))
+    else:
+        h.s.handle(ev.LoadDone(load_y.id, "y", error="replica 0 exited with code 1 before it was healthy: no memory"))
+    assert h.job(load_y.id).status.value == how and "loading back what it unloaded: x" in h.job(load_y.id).message
+    restore = h.store.list(model="x")[0]
+    assert (restore.type.value, restore.trigger, restore.status) == ("load", Trigger.restore, JobStatus.running)
+    assert f"was {how} (job {load_y.id})" in restore.message
+    assert [x[1] for x in h.fx.loads] == ["x", "y", "x"]
+    h.finish_load("x")
+    assert h.s.models["x"].status is ModelStatus.ready and h.job(restore.id).status is JobStatus.succeeded
+
+
+def test_a_swap_that_succeeds_loads_nothing_back(swap):
+    h = swap
+    load_y = h.submit("load", "y")
+    h.finish_stop("x")
+    h.finish_load("y")
+    assert h.job(load_y.id).status is JobStatus.succeeded and [x[1] for x in h.fx.loads] == ["x", "y"]
+    assert not any(j.trigger is Trigger.restore for j in h.store.list(model="x"))

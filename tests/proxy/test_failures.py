@@ -19,6 +19,7 @@ def proxy(make_proxy, tiny_model, tmp_path_factory):
         "crashy": tiny_profile(tiny_model, restart="on-failure", restart_limit=2),
         "x": tiny_profile(tiny_model, parallel=1, group="pair", drain_timeout=1),
         "y": tiny_profile(tiny_model, parallel=1, group="pair"),
+        "z": tiny_profile(missing, parallel=1, group="pair"),  # a member whose load fails
     }, groups={"pair": {"exclusive": True}})
 
 
@@ -74,3 +75,33 @@ def test_exclusive_group_swaps_models_with_recorded_jobs(proxy):
     assert not alive(x["pid"]) and proxy.replicas("x") == [] and len(proxy.replicas("y")) == 1
     statuses = {m["model"]: m["status"] for m in proxy.client.get("/running").json()["models"]}
     assert statuses.get("y") == "ready" and "x" not in statuses
+
+
+def restored(proxy, model: str) -> dict:
+    """The restore job that loads `model` back, once it has succeeded; and `model` serves."""
+    def done():
+        jobs = [j for j in proxy.client.get("/jobs", params={"model": model}).json() if j["trigger"] == "restore"]
+        return jobs[0] if jobs and jobs[0]["status"] == "succeeded" else None
+    job = wait_until(done, 90, f"{model} to be loaded back")
+    r = proxy.client.post("/v1/completions", json={"model": model, "prompt": "x", "max_tokens": 2, "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    return job
+
+
+def test_a_swap_cancelled_mid_load_loads_back_the_model_it_displaced(proxy):
+    if not proxy.replicas("x"):
+        assert proxy.job("load", "x")["status"] == "succeeded"
+    load_y = proxy.client.post("/jobs", json={"type": "load", "model": "y"}).json()
+    wait_until(lambda: not proxy.replicas("x"), 60, "x to make way for y")
+    cancelled = proxy.client.delete(f"/jobs/{load_y['id']}")
+    assert cancelled.status_code == 200 and "loading back what it unloaded: x" in cancelled.json()["message"]
+    job = restored(proxy, "x")
+    assert f"the load of 'y' that unloaded it was cancelled (job {load_y['id']})" in job["message"]
+
+
+def test_a_swap_whose_load_fails_loads_back_the_model_it_displaced(proxy):
+    if not proxy.replicas("x"):
+        assert proxy.job("load", "x")["status"] == "succeeded"
+    failed = proxy.job("load", "z")
+    assert failed["status"] == "failed" and "loading back what it unloaded: x" in failed["message"]
+    restored(proxy, "x")
