@@ -1,7 +1,8 @@
 """SIGTERM on the proxy drains as an unload does: new requests get 503 with Retry-After and
-/health says draining; a stream running across the signal finishes, or, past the profile's
-drain_timeout, ends with an in-band error event and [DONE]; the servers stop, the proxy exits 0,
-and the job history records each model's unload as the shutdown's."""
+/health says draining; a stream running across the signal finishes, or, past the proxy's
+shutdown_drain_timeout (else the profile's drain_timeout), ends with an in-band error event and
+[DONE]; the servers stop, the proxy exits 0, and the job history records each model's unload as
+the shutdown's."""
 from __future__ import annotations
 
 import json
@@ -67,24 +68,16 @@ def test_a_stream_running_across_sigterm_finishes_and_the_proxy_exits_0(make_pro
     assert unload["type"] == "unload" and unload["status"] == "succeeded"
 
 
-def test_a_stream_past_the_drain_timeout_ends_with_an_error_event_and_done(make_proxy, tiny_model):
-    proxy = make_proxy({"tiny": tiny_profile(tiny_model, drain_timeout=0.5)})
-    lines, _ = sigterm_while_streaming(proxy)
-    assert lines[-1] == "[DONE]"
-    error = json.loads(lines[-2])["error"]
-    assert error["code"] == 503 and "drain timeout" in error["message"], error
-    [unload] = shutdown_unloads(proxy)
-    assert "1 request(s) still running after the 0.5 s drain timeout were cancelled" in unload["message"]
-
-
-def test_the_proxys_shutdown_drain_timeout_bounds_every_profiles_drain(tmp_path_factory, tiny_model):
+def test_a_stream_past_the_proxys_drain_timeout_ends_with_an_error_event_and_done(tmp_path_factory, tiny_model):
     proxy = ProxyProcess(tmp_path_factory.mktemp("proxy"), {"tiny": tiny_profile(tiny_model, drain_timeout=600)})
     settings = yaml.safe_load((proxy.root / "proxy.yaml").read_text())
     (proxy.root / "proxy.yaml").write_text(yaml.safe_dump({**settings, "shutdown_drain_timeout": 0.5}))
     try:
         lines, _ = sigterm_while_streaming(proxy.start())
         error = json.loads(lines[-2])["error"]
-        assert lines[-1] == "[DONE]" and "the 0.5 s drain timeout" in error["message"], error
+        assert lines[-1] == "[DONE]" and error["code"] == 503 and "the 0.5 s drain timeout" in error["message"], error
+        [unload] = shutdown_unloads(proxy)
+        assert "1 request(s) still running after the 0.5 s drain timeout were cancelled" in unload["message"]
     finally:
         proxy.kill_all()
 

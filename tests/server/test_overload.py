@@ -58,7 +58,8 @@ def test_a_request_past_the_time_limit_ends_with_finish_reason_timeout(start_ser
         assert choice["finish_reason"] == "timeout" and choice["text"]
         assert 0 < whole["usage"]["completion_tokens"] < 30000
         with c.stream("POST", "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
-                                                             **LONG, "stream": True}) as r:
+                                                             "max_tokens": LONG["max_tokens"], "ignore_eos": True,
+                                                             "stream": True}) as r:
             chunks = list(sse_events(r))
         assert chunks[-1]["choices"][0]["finish_reason"] == "timeout" and chunks[-1]["timings"]["predicted_n"] > 0
         wait_idle(c)  # the engine request was cancelled
