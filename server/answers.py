@@ -8,10 +8,10 @@ from typing import AsyncIterator
 from fastapi import Request
 from sse_starlette import EventSourceResponse
 
-from server.generation import Final, Piece, PreparedRequest, run
+from server.generation import Final, PreparedRequest, run
 from server.openai_api import whole
 from server.state import ServerState
-from server.tool_calls import Call, CallReader, Event, ended, read_calls
+from server.tool_calls import CallReader, Event, ended
 
 
 async def answer_events(state: ServerState, prepared: PreparedRequest, calls: bool) -> AsyncIterator[Event | Final]:
@@ -26,15 +26,6 @@ async def answer_events(state: ServerState, prepared: PreparedRequest, calls: bo
             return
         for event in reader.push(item.text) if reader is not None else [item.text] if item.text else []:
             yield event
-
-
-def whole_answer(pieces: list[Piece], final: Final, calls: bool) -> tuple[str, list[Call], Final]:
-    """A whole answer's text, calls and end."""
-    text = "".join(p.text for p in pieces)
-    if not calls:
-        return text, [], final
-    text, found = read_calls(text)
-    return text, found, ended(final, found)
 
 
 async def reply(state: ServerState, prepared: PreparedRequest, shape, request: Request, stream: bool):

@@ -17,13 +17,13 @@ from typing import Any, AsyncIterator, Literal
 from fastapi import APIRouter, Request
 from pydantic import Field
 
-from server.answers import reply, whole_answer
+from server.answers import reply
 from server.chat_prompt import render_chat
 from server.generation import Final, Piece
 from server.openai_api import engine_error, get_state, prepare_chat
 from server.protocol import APIError, Body, ChatCompletionRequest, RequestBody, translated_chat
 from server.state import ServerState
-from server.tool_calls import ArgumentsDelta, Call, CallEnded, CallStarted, Event
+from server.tool_calls import ArgumentsDelta, Call, CallEnded, CallStarted, Event, whole_answer
 
 router = APIRouter()
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}

@@ -15,7 +15,7 @@ from sse_starlette import EventSourceResponse
 from server.chat_prompt import render_chat
 from server.generation import Final, Piece, PreparedRequest, constrain, prepare, run
 from server.protocol import APIError, ChatCompletionRequest, CompletionRequest, GrammarSource
-from server.tool_calls import ArgumentsDelta, CallReader, CallStarted, Event, call_grammar, ended, read_calls
+from server.tool_calls import ArgumentsDelta, CallReader, CallStarted, Event, call_grammar, ended, whole_answer
 from server.state import ServerState
 
 router = APIRouter()
@@ -219,14 +219,11 @@ class ChatFormat(_Format):
 
     def whole(self, pieces: list[Piece], final: Final) -> dict:
         entries = [e for p in pieces for e in (p.logprobs or [])]
-        message = {"role": "assistant", "content": "".join(p.text for p in pieces)}
-        if self.reader is not None:
-            text, calls = read_calls(message["content"])
-            self.reader.calls = calls
-            message = {"role": "assistant", "content": text or None}
-            if calls:
-                message["tool_calls"] = [c.as_openai() for c in calls]
-            final = self._with_reason(final)
+        text, calls, final = whole_answer(pieces, final, self.reader is not None)
+        # With tools offered, an answer that is only calls has no content, as OpenAI's.
+        message = {"role": "assistant", "content": text if self.reader is None else text or None}
+        if calls:
+            message["tool_calls"] = [c.as_openai() for c in calls]
         choice = {"index": 0, "message": message, "finish_reason": final.finish_reason,
                   "logprobs": {"content": self._logprobs(entries)} if entries else None}
         return with_probe({**self.envelope([choice], "chat.completion"), "usage": final.usage,

@@ -17,12 +17,12 @@ from typing import Any, AsyncIterator
 from fastapi import APIRouter, Request
 from pydantic import Field, field_validator
 
-from server.answers import reply, whole_answer
+from server.answers import reply
 from server.generation import Final, Piece
 from server.openai_api import engine_error, get_state, prepare_chat
 from server.protocol import APIError, ChatCompletionRequest, RequestBody, translated_chat
 from server.state import ServerState
-from server.tool_calls import ArgumentsDelta, Call, CallEnded, CallStarted, Event
+from server.tool_calls import ArgumentsDelta, Call, CallEnded, CallStarted, Event, whole_answer
 
 router = APIRouter()
 TEXT_PARTS = ("input_text", "output_text", "text")

@@ -17,7 +17,7 @@ import uuid
 from dataclasses import dataclass
 
 from engine.sched.grammar import embedded_schema
-from server.generation import Final
+from server.generation import Final, Piece
 from server.protocol import GrammarSource, Tool
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -279,3 +279,12 @@ def read_calls(text: str) -> tuple[str, list[Call]]:
             parts.append(OPEN + event.call.raw)
     out = "".join(parts)
     return (out.strip() if reader.calls else out), reader.calls
+
+
+def whole_answer(pieces: list[Piece], final: Final, calls: bool) -> tuple[str, list[Call], Final]:
+    """A whole answer's text, its complete calls (calls: it may hold them) and its end."""
+    text = "".join(p.text for p in pieces)
+    if not calls:
+        return text, [], final
+    text, found = read_calls(text)
+    return text, found, ended(final, found)

@@ -25,7 +25,6 @@ import torch
 from engine.errors import ConfigError
 from engine.sched.request import Draft
 
-KINDS = ("json_schema", "json_object", "gbnf", "lark", "regex")
 MAX_SOURCE = 256 * 1024  # characters of a schema or grammar: past this, refused before compiling
 CACHED = 64  # compiled grammars kept, the most recently used
 ROWS = 8  # verify rows a matcher's mask buffer holds before it grows
