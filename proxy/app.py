@@ -21,7 +21,8 @@ from proxy.config import ProxyConfig, ProxyConfigError, load_config
 from proxy.controller import Controller
 from proxy.cores import CorePlan
 from proxy.events import Reload
-from proxy.forward import send_error
+from proxy.forward import send_api_error, send_error
+from proxy.job_runner import shutting_down
 from proxy.jobs import JobRequest, JobStatus, JobStore, JobType, Trigger
 from proxy.logbus import BusHandler, LogBus
 from proxy.metrics import ProxyMetrics
@@ -34,7 +35,6 @@ from server.protocol import ERROR_RESPONSES, APIError, is_open, validation_probl
 from web.pages import install_pages
 
 log = logging.getLogger("tandem.proxy")
-RETRY_AFTER_S = 5  # what a request refused while the proxy drains is told to wait (a restarted proxy's load)
 
 
 @dataclass
@@ -50,7 +50,10 @@ class Proxy:
     activity: Activity
     upstream: UpstreamClient
 
-    draining: bool = False  # SIGTERM or SIGINT came: new requests get 503, running ones finish
+    @property
+    def draining(self) -> bool:
+        """SIGTERM or SIGINT came: new requests get 503, running ones finish."""
+        return self.controller.draining
 
     async def drain(self) -> None:
         """Unloads every model as an unload job does, recorded in the job history as the
@@ -58,7 +61,7 @@ class Proxy:
         drain_timeout) to finish, then those still
         running end with an in-band error event; its servers stop cleanly. Meanwhile new requests
         get 503 with Retry-After. Returns once every unload has ended."""
-        self.draining = True
+        self.controller.draining = True
         models = [name for name, m in self.controller.models.items() if m.status is not ModelStatus.unloaded
                   or m.pool.replicas]
         log.info("shutting down: draining %d model(s)", len(models))
@@ -103,8 +106,7 @@ class Front:
                 await send_error(send, 401, "invalid or missing API key (Authorization: Bearer KEY)")
                 return
         if self.state.proxy.draining and not is_open(scope["path"]):
-            await send_error(send, 503, "the proxy is shutting down: its models are draining",
-                             headers=[(b"retry-after", str(RETRY_AFTER_S).encode())])
+            await send_api_error(send, shutting_down())
             return
         relay = self.relays.get((scope["method"], scope["path"]))
         if relay is None:

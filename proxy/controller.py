@@ -13,7 +13,7 @@ import time
 
 from proxy import events as ev
 from proxy.config import ProxyConfig
-from proxy.job_runner import JobRunner
+from proxy.job_runner import JobRunner, shutting_down
 from proxy.jobs import Job, JobStatus, JobStore, JobType, Trigger
 from proxy.model_state import ModelState, ModelStatus
 from proxy.process import exit_reason
@@ -29,6 +29,7 @@ class Controller:
         self.models: dict[str, ModelState] = {}
         self.runner = JobRunner(self.models, config, effects, store, clock)
         self.events: asyncio.Queue = asyncio.Queue()
+        self.draining = False  # the proxy is shutting down: no request waits for a slot or starts a load
         self._add_profiles(config)
 
     @property
@@ -125,6 +126,9 @@ class Controller:
             w.future.set_exception(self.unknown_model(w.model))
             return
         if w.gone:
+            return
+        if self.draining:  # it came in as the signal did
+            w.future.set_exception(shutting_down())
             return
         m.idle_stamp += 1
         if m.status is ModelStatus.ready or m.pending(JobType.load):

@@ -13,7 +13,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from proxy.upstream import UpstreamClient, UpstreamError
-from server.protocol import error_body
+from server.protocol import APIError, error_body
 
 # Hop-by-hop headers (RFC 9110 7.6.1), plus what uvicorn sets itself and the proxy's own credentials.
 DROP_REQUEST = {b"host", b"connection", b"keep-alive", b"transfer-encoding", b"te", b"trailer", b"upgrade",
@@ -83,6 +83,11 @@ async def send_json(send, status: int, body: dict, headers: list | None = None) 
 
 async def send_error(send, status: int, message: str, type_: str | None = None, headers: list | None = None) -> None:
     await send_json(send, status, error_body(status, message, type_), headers)
+
+
+async def send_api_error(send, e: APIError) -> None:
+    await send_error(send, e.status, e.message, e.type,
+                     [(k.lower().encode(), v.encode()) for k, v in (e.headers or {}).items()])
 
 
 def sse_error_event(message: str, status: int, type_: str | None = None) -> bytes:

@@ -8,7 +8,7 @@ import asyncio
 import json
 from urllib.parse import parse_qsl, urlencode
 
-from proxy.forward import ClientGone, DisconnectWatch, read_body, relay, send_error
+from proxy.forward import ClientGone, DisconnectWatch, read_body, relay, send_api_error, send_error
 from server.protocol import COMPLETION_PATHS, APIError, body_problem
 
 BODY_LIMIT = 32 * 2**20
@@ -65,7 +65,7 @@ class Completions:
                 watch.disarm()
                 # an unknown name is not a label: clients could otherwise grow /metrics without bound
                 p.metrics.on_request(model if model in p.controller.models else "(unknown)", e.status, None)
-                await send_error(send, e.status, e.message, e.type)
+                await send_api_error(send, e)
                 return
             replica = lease.replica
             outcome = await relay(scope, send, watch, p.upstream, replica.port, self.path, body,

@@ -1,5 +1,5 @@
-"""SIGTERM on the proxy drains as an unload does: new requests get 503 with Retry-After and
-/health says draining; a stream running across the signal finishes, or, past the proxy's
+"""SIGTERM on the proxy drains as an unload does: new requests, and those still waiting for a slot,
+get 503 with Retry-After and /health says draining; a stream running across the signal finishes, or, past the proxy's
 shutdown_drain_timeout (else the profile's drain_timeout), ends with an in-band error event and
 [DONE]; the servers stop, the proxy exits 0, and the job history records each model's unload as
 the shutdown's."""
@@ -34,13 +34,20 @@ def stream_in_background(url: str) -> tuple[threading.Thread, list[str], threadi
     return thread, lines, started
 
 
-def sigterm_while_streaming(proxy) -> tuple[list[str], list[int]]:
-    """Loads the model, starts a long stream, SIGTERMs the proxy; checks what a new request meets
-    meanwhile; returns the stream's payloads and the servers that ran, once the proxy has exited 0."""
+def sigterm_while_streaming(proxy, queue: list | None = None) -> tuple[list[str], list[int]]:
+    """Loads the model, starts a long stream (and, given `queue`, a request that waits behind it,
+    whose answer goes there), SIGTERMs the proxy; checks what a new request meets meanwhile;
+    returns the stream's payloads and the servers that ran, once the proxy has exited 0."""
     assert proxy.job("load", "tiny")["status"] == "succeeded"
     servers = proxy.descendants()
     thread, lines, started = stream_in_background(proxy.url)
     assert started.wait(60), "the stream never started"
+    if queue is not None:
+        waiter = threading.Thread(target=lambda: queue.append(httpx.post(
+            proxy.url + "/v1/chat/completions", json={**CHAT, "stream": False}, timeout=60)), daemon=True)
+        waiter.start()
+        wait_until(lambda: proxy.client.get("/running").json()["models"][0]["queue_depth"] == 1, 10,
+                   "a request waiting for the slot")
     proxy.proc.send_signal(signal.SIGTERM)
     refused = wait_until(lambda: (lambda r: r if r.status_code == 503 else None)(
         httpx.post(proxy.url + "/v1/chat/completions", json={**CHAT, "stream": False}, timeout=10)), 10,
@@ -48,6 +55,8 @@ def sigterm_while_streaming(proxy) -> tuple[list[str], list[int]]:
     assert "shutting down" in refused.json()["error"]["message"] and refused.headers["retry-after"]
     assert httpx.get(proxy.url + "/health", timeout=10).json() == {"status": "draining"}
     thread.join(60)
+    if queue is not None:
+        waiter.join(10)
     assert proxy.proc.wait(60) == 0, "the proxy did not exit 0 after draining"
     wait_until(lambda: not any(alive(pid) for pid in servers), 20, "the servers to be gone")
     return lines, servers
@@ -59,8 +68,12 @@ def shutdown_unloads(proxy) -> list[dict]:
 
 
 def test_a_stream_running_across_sigterm_finishes_and_the_proxy_exits_0(make_proxy, tiny_model):
-    proxy = make_proxy({"tiny": tiny_profile(tiny_model, drain_timeout=60)})
-    lines, _ = sigterm_while_streaming(proxy)
+    proxy = make_proxy({"tiny": tiny_profile(tiny_model, parallel=1, drain_timeout=60)})
+    queued: list[httpx.Response] = []
+    lines, _ = sigterm_while_streaming(proxy, queue=queued)
+    [refused] = queued  # it waited for the one slot when the signal came: refused as a new request is
+    assert refused.status_code == 503 and refused.headers["retry-after"], refused.text
+    assert "shutting down" in refused.json()["error"]["message"]
     assert lines[-1] == "[DONE]"
     last = json.loads(lines[-2])
     assert last["choices"][0]["finish_reason"] == "length" and last["timings"]["predicted_n"] == LONG_STREAM
