@@ -38,14 +38,17 @@ def wait_answering(proc: subprocess.Popen, url: str, log_text, timeout: float = 
 
 
 class ServerProcess:
-    def __init__(self, args: list[str], log_path: Path, api_key: str | None = None, env: dict | None = None):
-        """env: variables added to this process's environment."""
+    def __init__(self, args: list[str], log_path: Path, api_key: str | None = None, env: dict | None = None,
+                 threads: int | None = 1):
+        """env: variables added to this process's environment; threads: -t (one by default, as tests
+        share the machine; None: the server's own default, as the main command runs)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
-        cmd = [sys.executable, "-m", "server", "--port", str(self.port), "-t", "1", *args]
+        cmd = [sys.executable, "-m", "server", "--port", str(self.port), *(["-t", str(threads)] if threads else []),
+               *args]
         if api_key:
             cmd += ["--api-key", api_key]
         self.log = open(log_path, "w")

@@ -72,7 +72,7 @@ class TandemServer:
         self.name = name
         # A name can hold a draft's path: the log's file name keeps only what a file name can.
         log = re.sub(r"[^\w.+-]+", "_", name)
-        self.process = ServerProcess([*args, "-t", str(threads)], log_dir / f"{log}.log")
+        self.process = ServerProcess(args, log_dir / f"{log}.log", threads=threads)
 
     def start(self) -> None:
         self.process.wait_ready()
