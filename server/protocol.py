@@ -7,6 +7,7 @@ template) is checked by the server too, all before a slot is taken.
 """
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
@@ -146,6 +147,12 @@ NEUTRAL_FIELDS = {"typical_p": 1.0, "mirostat": 0, "tfs_z": 1.0, "dynatemp_range
                   "dry_multiplier": 0.0, "repeat_last_n": 64, "n_keep": 0, "min_keep": 0}
 
 
+@functools.cache
+def _read_fields(model: type[BaseModel]) -> frozenset[str]:
+    """The top-level names a request model reads (a field's alias where it has one), once per class."""
+    return frozenset(f.alias or name for name, f in model.model_fields.items())
+
+
 class RequestBody(Body):
     """A request's whole body: every field is read, ignored on purpose (IGNORED_FIELDS), or refused."""
     model_config = ConfigDict(extra="forbid")
@@ -155,7 +162,7 @@ class RequestBody(Body):
     def _ignored(cls, data):
         if not isinstance(data, dict):
             return data
-        ours = {f.alias or name for name, f in cls.model_fields.items()}
+        ours = _read_fields(cls)
         switched_on = [f"{k}={data[k]!r}: not supported by this server (only {v!r}, which switches it off)"
                        for k, v in NEUTRAL_FIELDS.items() if k in data and k not in ours and data[k] != v]
         if switched_on:
