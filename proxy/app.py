@@ -18,11 +18,10 @@ from starlette.routing import Route
 from proxy.activity import ACTIVITY_SIZE, Activity
 from proxy.children import ChildRegistry, reap_leftovers
 from proxy.config import ProxyConfig, ProxyConfigError, load_config
-from proxy.controller import Controller
+from proxy.controller import Controller, shutting_down
 from proxy.cores import CorePlan
 from proxy.events import Reload
 from proxy.forward import send_api_error, send_error
-from proxy.job_runner import shutting_down
 from proxy.jobs import JobRequest, JobStatus, JobStore, JobType, Trigger
 from proxy.logbus import BusHandler, LogBus
 from proxy.metrics import ProxyMetrics
@@ -61,7 +60,7 @@ class Proxy:
         drain_timeout) to finish, then those still
         running end with an in-band error event; its servers stop cleanly. Meanwhile new requests
         get 503 with Retry-After. Returns once every unload has ended."""
-        self.controller.draining = True
+        self.controller.begin_drain()
         models = [name for name, m in self.controller.models.items() if m.status is not ModelStatus.unloaded
                   or m.pool.replicas]
         log.info("shutting down: draining %d model(s)", len(models))

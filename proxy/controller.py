@@ -13,7 +13,7 @@ import time
 
 from proxy import events as ev
 from proxy.config import ProxyConfig
-from proxy.job_runner import JobRunner, shutting_down
+from proxy.job_runner import JobRunner
 from proxy.jobs import Job, JobStatus, JobStore, JobType, Trigger
 from proxy.model_state import ModelState, ModelStatus
 from proxy.process import exit_reason
@@ -23,13 +23,23 @@ from server.protocol import APIError
 log = logging.getLogger("tandem.proxy")
 
 
+RETRY_AFTER_S = 5  # what a request refused while the proxy drains is told to wait (a restarted proxy's load)
+
+
+def shutting_down() -> APIError:
+    """The answer to a request the draining proxy will not serve: new ones, and those still waiting
+    for a slot."""
+    return APIError(503, "the proxy is shutting down: its models are draining",
+                    headers={"Retry-After": str(RETRY_AFTER_S)})
+
+
 class Controller:
     def __init__(self, config: ProxyConfig, effects: ev.Effects, store: JobStore, clock=time.time):
         self.config, self.effects, self.store, self.clock = config, effects, store, clock
         self.models: dict[str, ModelState] = {}
         self.runner = JobRunner(self.models, config, effects, store, clock)
         self.events: asyncio.Queue = asyncio.Queue()
-        self.draining = False  # the proxy is shutting down: no request waits for a slot or starts a load
+        self.draining = False  # begin_drain was called
         self._add_profiles(config)
 
     @property
@@ -311,6 +321,14 @@ class Controller:
 
     def running(self) -> list[dict]:
         return [m.snapshot() for m in self.models.values() if m.status is not ModelStatus.unloaded or m.pool.replicas]
+
+    def begin_drain(self) -> None:
+        """The proxy is stopping: requests waiting for a slot, which have not started, are told to
+        come back as new ones are, and from now on none waits or starts a load (the shutdown's
+        unloads would otherwise autoload the models for them, and the proxy exit with them unanswered)."""
+        self.draining = True
+        for m in self.models.values():
+            m.pool.fail_waiters(shutting_down())
 
     def interrupt(self, reason: str) -> None:
         """At shutdown: settles unfinished jobs and answers waiting requests (the supervisor then

@@ -12,15 +12,6 @@ from proxy.model_state import ModelState, ModelStatus
 from proxy.router import ReplicaState
 from server.protocol import APIError
 
-RETRY_AFTER_S = 5  # what a request refused while the proxy drains is told to wait (a restarted proxy's load)
-
-
-def shutting_down() -> APIError:
-    """The answer to a request the draining proxy will not serve: new ones, and those still waiting
-    for a slot."""
-    return APIError(503, "the proxy is shutting down: its models are draining",
-                    headers={"Retry-After": str(RETRY_AFTER_S)})
-
 log = logging.getLogger("tandem.proxy")
 
 
@@ -110,9 +101,7 @@ class JobRunner:
         for r in m.pool.replicas:
             if r.state is ReplicaState.ready:
                 r.state = ReplicaState.draining
-        if m.current.trigger is Trigger.shutdown:
-            m.pool.fail_waiters(shutting_down())  # they had not started: told to come back, as new ones are
-        elif m.profile.autoload and m.pool.queue_depth and not m.removed and not m.pending(JobType.load):
+        if m.profile.autoload and m.pool.queue_depth and not m.removed and not m.pending(JobType.load):
             self.submit(m, JobType.load, Trigger.autoload, "requests waited for it while it unloaded")
         elif not m.pending(JobType.load):
             m.pool.fail_waiters(APIError(503, f"model {m.name!r} is being unloaded"))

@@ -371,3 +371,17 @@ def test_a_swap_that_succeeds_loads_nothing_back(swap):
     h.finish_load("y")
     assert h.job(load_y.id).status is JobStatus.succeeded and [x[1] for x in h.fx.loads] == ["x", "y"]
     assert not any(j.trigger is Trigger.restore for j in h.store.list(model="x"))
+
+
+def test_a_drain_refuses_the_waiting_requests_as_new_ones_and_its_unload_loads_nothing(h):
+    h.submit("load", "b")
+    h.finish_load("b", slots=1)
+    running, waiting = h.acquire("b"), h.acquire("b")
+    assert running.done() and not waiting.done()
+    h.s.begin_drain()
+    refused, late = error_of(waiting), error_of(h.acquire("b"))
+    for e in (refused, late):
+        assert e.status == 503 and e.headers == {"Retry-After": "5"} and "shutting down" in e.message
+    loads = len(h.fx.loads)
+    unload = h.submit("unload", "b", Trigger.shutdown)
+    assert unload.status is JobStatus.running and len(h.fx.loads) == loads  # b is autoload: no reload queued
