@@ -31,6 +31,7 @@ from pathlib import Path
 
 import httpx
 
+from bench.client import tokenize
 from bench.processes import ServerProcess
 from bench.workload import pseudo_words
 
@@ -56,8 +57,7 @@ class StreamRecord:
 
 
 async def prompt_ids(http: httpx.AsyncClient, seed: int, n: int) -> list[int]:
-    text = " ".join(pseudo_words(random.Random(seed), n))
-    ids = (await http.post("/tokenize", json={"content": text})).json()["tokens"]
+    ids = await tokenize(http, " ".join(pseudo_words(random.Random(seed), n)), "default")
     assert len(ids) >= n, f"{n} words gave only {len(ids)} tokens"
     return ids[:n]
 
@@ -135,7 +135,7 @@ def main() -> None:
     finally:
         server.kill()
     report = {"server_args": ["-m", a.model, *a.server_args], **judge(records), "log": str(log),
-              "raw": [asdict(r) | {"gaps": None} for r in records]}
+              "raw": [asdict(r) for r in records]}
     print(json.dumps({k: v for k, v in report.items() if k != "raw"}, indent=1), flush=True)
     if a.json:
         a.json.write_text(json.dumps(report, indent=1))

@@ -26,10 +26,9 @@ import tempfile
 import time
 from pathlib import Path
 
-import httpx
 import yaml
 
-from bench.processes import ROOT, ProxyProcess, alive
+from bench.processes import ROOT, ProxyProcess, alive, wait_until
 from bench.soak import Tally, soak
 
 READY_TIMEOUT = 180.0  # a model's load, or a restart, on a busy machine
@@ -48,79 +47,62 @@ def shipped_proxy(root: Path) -> ProxyProcess:
     return proxy
 
 
-async def replicas(http: httpx.AsyncClient, model: str) -> list[dict]:
-    models = {m["model"]: m for m in (await http.get("/running")).json()["models"]}
-    return models[model]["replicas"] if model in models else []
+def serving(proxy: ProxyProcess, model: str) -> list[dict]:
+    return [r for r in proxy.replicas(model) if r["state"] == "ready"]
 
 
-async def until(predicate, timeout: float, what: str):
-    """The first truthy value of the coroutine function `predicate`, polled every 0.2 s."""
-    deadline = time.monotonic() + timeout
-    while not (value := await predicate()):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout:g} s waiting for {what}")
-        await asyncio.sleep(0.2)
-    return value
+# The events block while they wait on the proxy and its processes: each runs in a thread of its own
+# (operate), beside the clients on the event loop.
 
-
-async def serving(http: httpx.AsyncClient, model: str) -> list[dict]:
-    return [r for r in await replicas(http, model) if r["state"] == "ready"]
-
-
-async def cancel_swap(proxy: ProxyProcess, model: str, swap_to: str) -> dict:
-    async with httpx.AsyncClient(base_url=proxy.url, timeout=30) as http:
-        load = (await http.post("/jobs", json={"type": "load", "model": swap_to})).json()
-        await until(lambda: _not(replicas(http, model)), READY_TIMEOUT, f"{model!r} to make way for {swap_to!r}")
-        await asyncio.sleep(2)  # the new model's server is starting
-        t0 = time.monotonic()
-        cancelled = (await http.delete(f"/jobs/{load['id']}")).json()
-        await until(lambda: serving(http, model), READY_TIMEOUT, f"{model!r} to be loaded back")
-        return {"event": f"load of {swap_to!r} cancelled after it unloaded {model!r}",
-                "answer": cancelled.get("message"), "serving_again_after_s": round(time.monotonic() - t0, 1)}
-
-
-async def _not(coroutine) -> bool:
-    return not await coroutine
-
-
-async def restart_proxy(proxy: ProxyProcess, model: str) -> dict:
-    servers = proxy.descendants()
+def cancel_swap(proxy: ProxyProcess, model: str, swap_to: str) -> dict:
+    load = proxy.client.post("/jobs", json={"type": "load", "model": swap_to}).json()
+    wait_until(lambda: not proxy.replicas(model), READY_TIMEOUT, f"{model!r} to make way for {swap_to!r}", 0.2)
+    time.sleep(2)  # the new model's server is starting
     t0 = time.monotonic()
+    cancelled = proxy.client.delete(f"/jobs/{load['id']}").json()
+    wait_until(lambda: serving(proxy, model), READY_TIMEOUT, f"{model!r} to be loaded back", 0.2)
+    return {"event": f"load of {swap_to!r} cancelled after it unloaded {model!r}",
+            "answer": cancelled.get("message"), "serving_again_after_s": round(time.monotonic() - t0, 1)}
+
+
+def stop_proxy(proxy: ProxyProcess) -> tuple[int, list[int]]:
+    """SIGTERM, as an operator stops it: its exit code, and the servers it started still running."""
+    servers = proxy.descendants()
     proxy.proc.send_signal(signal.SIGTERM)
-    code = await asyncio.to_thread(proxy.proc.wait, READY_TIMEOUT)
+    code = proxy.proc.wait(READY_TIMEOUT)
+    return code, [pid for pid in servers if alive(pid)]
+
+
+def restart_proxy(proxy: ProxyProcess, model: str) -> dict:
+    t0 = time.monotonic()
+    code, left = stop_proxy(proxy)
     drained = time.monotonic() - t0
-    left = [pid for pid in servers if alive(pid)]
-    await asyncio.to_thread(proxy.start)
-    async with httpx.AsyncClient(base_url=proxy.url, timeout=30) as http:
-        await until(lambda: serving(http, model), READY_TIMEOUT, f"{model!r} to autoload after the restart")
+    proxy.start()
+    wait_until(lambda: serving(proxy, model), READY_TIMEOUT, f"{model!r} to autoload after the restart", 0.2)
     return {"event": "SIGTERM on the proxy, then started again", "exit_code": code, "drained_s": round(drained, 1),
             "servers_left_running": left, "serving_again_after_s": round(time.monotonic() - t0, 1)}
 
 
-async def kill_server(proxy: ProxyProcess, model: str) -> dict:
-    async with httpx.AsyncClient(base_url=proxy.url, timeout=30) as http:
-        [replica] = await serving(http, model)
-        t0 = time.monotonic()
-        os.kill(replica["pid"], signal.SIGKILL)
-        await until(lambda: _restarted(http, model, replica["pid"]), READY_TIMEOUT, f"{model!r} to be restarted")
-        return {"event": f"SIGKILL on {model!r}'s server (pid {replica['pid']})",
-                "serving_again_after_s": round(time.monotonic() - t0, 1)}
-
-
-async def _restarted(http: httpx.AsyncClient, model: str, old_pid: int) -> bool:
-    return any(r["pid"] != old_pid for r in await serving(http, model))
+def kill_server(proxy: ProxyProcess, model: str) -> dict:
+    [replica] = serving(proxy, model)
+    t0 = time.monotonic()
+    os.kill(replica["pid"], signal.SIGKILL)
+    wait_until(lambda: any(r["pid"] != replica["pid"] for r in serving(proxy, model)), READY_TIMEOUT,
+               f"{model!r} to be restarted", 0.2)
+    return {"event": f"SIGKILL on {model!r}'s server (pid {replica['pid']})",
+            "serving_again_after_s": round(time.monotonic() - t0, 1)}
 
 
 async def operate(proxy: ProxyProcess, model: str, swap_to: str, seconds: float, events: list[dict]) -> None:
     """The three events at a quarter, a half and three quarters of the time; each one's outcome (or
     its failure) goes into `events`."""
     start = time.monotonic()
-    for at, event in ((0.25, lambda: cancel_swap(proxy, model, swap_to)), (0.5, lambda: restart_proxy(proxy, model)),
-                      (0.75, lambda: kill_server(proxy, model))):
+    for at, event, args in ((0.25, cancel_swap, (proxy, model, swap_to)), (0.5, restart_proxy, (proxy, model)),
+                            (0.75, kill_server, (proxy, model))):
         await asyncio.sleep(max(0.0, start + at * seconds - time.monotonic()))
         began = time.monotonic() - start
         try:
-            outcome = await event()
+            outcome = await asyncio.to_thread(event, *args)
         except Exception as e:  # noqa: BLE001 - an event that failed is reported, and the soak goes on
             outcome = {"event": "failed", "error": f"{type(e).__name__}: {e}"}
         events.append({"at_s": round(began, 1), **outcome})
@@ -154,10 +136,7 @@ def main() -> None:
         asyncio.run(run(proxy, tally, a, events))
         history = [f"{j['type']} {j['model']} ({j['trigger']}): {j['status']}: {j.get('message') or ''}"
                    for j in reversed(proxy.client.get("/jobs").json())]
-        servers = proxy.descendants()
-        proxy.proc.send_signal(signal.SIGTERM)
-        exit_code = proxy.proc.wait(READY_TIMEOUT)
-        left = [pid for pid in servers if alive(pid)]
+        exit_code, left = stop_proxy(proxy)
     finally:
         proxy.kill_all()
     summary = {**tally.summary(), "events": events, "final_exit_code": exit_code, "servers_left_running": left,

@@ -21,14 +21,15 @@ import asyncio
 import json
 import random
 import statistics
-from collections import Counter
 import tempfile
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import httpx
 
+from bench.client import error_message
 from bench.processes import ServerProcess
 
 CONFIGS = {"np2": ["-np", "2", "-c", "4096"], "np4-unified": ["-np", "4", "-c", "4096", "--kv-unified"]}
@@ -77,15 +78,8 @@ class Tally:
 def unavailable(tally: Tally, headers: httpx.Headers, body: bytes) -> float:
     """Tallies a 503; how long to wait before trying again (its Retry-After, at most 5 s)."""
     tally.unavailable += 1
-    tally.reasons[f"503: {error_message(body)}"] += 1
+    tally.reasons[f"503: {error_message(body.decode(errors='replace'))}"] += 1
     return min(float(headers.get("retry-after", 1)), 5.0)
-
-
-def error_message(body: bytes) -> str:
-    try:
-        return json.loads(body)["error"]["message"]
-    except (ValueError, KeyError, TypeError):
-        return body[:200].decode(errors="replace")
 
 
 def rss_mb(pid: int) -> float:
