@@ -76,7 +76,7 @@ def load_parts(config: EngineConfig, headers: Headers, rank: Rank | None, descri
     log.info("loaded %s (%s, %s) in %.1f s", files.path, mc.family, config.dtype, time.perf_counter() - t0)
     formats = model.weight_formats()
     log.info("weights: %s", describe_formats(formats))
-    cache = cache_for(config, mc.num_kv_heads, mc.head_dim, model.specs, placement.layer_devices())
+    cache = cache_for(config, mc, model.specs, placement.layer_devices())
     slots = f"1 unified pool of {cache.capacity} positions for {config.parallel} slots" if config.kv_unified \
         else f"{config.parallel} slots x {config.ctx_per_slot} ctx"
     log.info("KV cache: %s", describe_cache(model.specs, slots, cache.nbytes, cache.kpool_nbytes))

@@ -13,7 +13,7 @@ from engine.errors import ConfigError
 from engine.files.model_config import ModelConfig, with_compression
 from engine.files.weights import ModelFiles, open_model
 from engine.footprint import check_devices, check_fit
-from engine.model.qsa import LayerSpec
+from engine.model.layer_spec import LayerSpec
 from engine.placement import Placement
 from engine.settings import PAGE_SIZE, EngineConfig
 from engine.spec.loading import DraftFiles, check_draft_files

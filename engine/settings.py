@@ -227,6 +227,12 @@ class EngineConfig:
         return self.pipeline_depth or self.pipeline_parallel_size if self.pipeline_parallel_size > 1 else 1
 
     @property
+    def state_steps(self) -> int:
+        """Positions whose recurrent state a slot keeps (engine/model/recurrent_cache.py): the longest
+        row a step writes token by token, a decode row with its drafts."""
+        return 1 + (self.spec.verify_rows if self.spec is not None else 0)
+
+    @property
     def kv_types(self) -> tuple[str, str]:
         """(K, V) cache types. By default the cache holds what attention computes in, so no step
         converts a slot's whole prefix: f32, or bf16 with bf16 weights."""

@@ -36,11 +36,10 @@ def next_token_logits(model) -> Callable[[list[int]], torch.Tensor]:
     """reference_logits for assert_same_greedy from one of tandem's Transformers: a fresh prefill
     of the ids, in one row, on its own cache."""
     from engine.model.batch import ForwardBatch, Row
-    from engine.model.kv_cache import KVCache
+    from engine.model.kv_cache import model_cache
 
     def logits(ids: list[int]) -> torch.Tensor:
-        c = model.config
-        cache = KVCache(c.num_layers, 1, len(ids), c.num_kv_heads, c.head_dim, specs=model.specs)
+        cache = model_cache(model.config, model.specs, 1, len(ids))
         return model.logits(model(ForwardBatch.build([Row(0, 0, ids)]), cache)[-1:])[0]
     return logits
 

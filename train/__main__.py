@@ -32,7 +32,7 @@ import torch
 
 from engine import Engine, EngineConfig
 from engine.model import mtp
-from engine.model.qsa import DENSE
+from engine.model.layer_spec import DENSE
 from train.data import load_data
 from train.draft import draft_tensors, file_tensors, residual_rms, run_row, subset_ids
 from train.evaluate import evaluate

@@ -9,7 +9,7 @@ import torch
 from engine import Engine
 from engine.model.batch import ForwardBatch, Row, causal_mask
 from engine.model.kv_cache import KVCache
-from engine.model.transformer import split_fused
+from engine.model.fused import split_fused
 from train.data import Data
 
 

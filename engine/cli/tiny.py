@@ -38,6 +38,9 @@ CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "tiny"
 
 WEIGHT_STD = 0.02
 NORM_NOISE = 0.1  # norms are 1 + noise, so a norm applied to the wrong axis or skipped shows up
+# A linear-attention layer's decay parameters and convolution, which transformers initialises to
+# fixed values, drawn wide enough that a decay or a tap applied wrongly shows up.
+WIDE = {"A_log": 1.0, "dt_bias": 1.0, "conv1d.weight": 0.5}
 
 
 def tiny_config(name: str = "llama", **overrides) -> dict:
@@ -55,13 +58,31 @@ def hf_config(config: dict) -> PretrainedConfig:
 
 
 def tensor_shapes(hf: PretrainedConfig) -> dict[str, tuple[int, ...]]:
-    """Names and shapes of the tensors transformers saves for this config (a tied head left out)."""
+    """Names and shapes of the tensors transformers saves for this config (a tied head left out),
+    and of the model's own MTP layers where the config asks for them (`mtp_num_hidden_layers`:
+    transformers drops `mtp.*` on load, but checkpoints carry them, as Qwen3.5's do)."""
     with torch.device("meta"):  # shapes only: no memory, no initialisation cost
         model = AutoModelForCausalLM.from_config(hf)
     shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
     if hf.tie_word_embeddings:
         shapes.pop("lm_head.weight", None)
-    return shapes
+    return {**shapes, **mtp_shapes(hf, shapes)}
+
+
+def mtp_shapes(hf: PretrainedConfig, shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+    """Qwen3.5's MTP layers: each a full-attention decoder layer (shaped as the trunk's first one),
+    and the projection and norms they share."""
+    layers = getattr(hf, "mtp_num_hidden_layers", 0) or 0
+    if not layers:
+        return {}
+    h = hf.hidden_size
+    attention = hf.layer_types.index("full_attention")
+    prefix = f"model.layers.{attention}."
+    out = {"mtp.fc.weight": (h, 2 * h), "mtp.pre_fc_norm_embedding.weight": (h,), "mtp.pre_fc_norm_hidden.weight": (h,),
+           "mtp.norm.weight": (h,)}
+    for k in range(layers):
+        out.update({f"mtp.layers.{k}.{n[len(prefix):]}": s for n, s in shapes.items() if n.startswith(prefix)})
+    return out
 
 
 def random_tensors(shapes: dict[str, tuple[int, ...]], seed: int) -> dict[str, torch.Tensor]:
@@ -69,7 +90,10 @@ def random_tensors(shapes: dict[str, tuple[int, ...]], seed: int) -> dict[str, t
     out = {}
     for name in sorted(shapes):  # a fixed order, so a seed always gives the same weights
         noise = torch.randn(shapes[name], generator=generator)
-        if name.endswith("norm.weight"):
+        wide = next((std for suffix, std in WIDE.items() if name.endswith(suffix)), None)
+        if wide is not None:
+            out[name] = wide * noise
+        elif name.endswith("norm.weight"):
             out[name] = 1.0 + NORM_NOISE * noise
         else:
             out[name] = WEIGHT_STD * noise

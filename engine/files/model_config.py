@@ -1,4 +1,5 @@
-"""ModelConfig: a decoder-only model's geometry, parsed from HF config.json or GGUF metadata.
+"""ModelConfig: a decoder-only model's geometry, parsed from HF config.json or GGUF metadata
+(engine/files/config_readers.py).
 
 Everything here is validated when the config is built, before any tensor data is read; code
 that receives a ModelConfig trusts it.
@@ -11,8 +12,11 @@ from dataclasses import dataclass, field, replace
 from engine.errors import ConfigError
 from engine.settings import CompressRatios
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_5")
 ROPE_KINDS = ("default", "linear", "llama3", "yarn")
+# A layer's token mixer, as transformers' `layer_types` names it: softmax attention over a KV
+# cache, or a Gated DeltaNet (linear attention, a recurrent state per slot).
+FULL_ATTENTION, LINEAR_ATTENTION = "full_attention", "linear_attention"
 
 
 @dataclass(frozen=True)
@@ -33,6 +37,44 @@ class RopeConfig:
 
 
 @dataclass(frozen=True)
+class LinearAttention:
+    """The geometry of a model's Gated DeltaNet layers (docs/architecture.md, "Gated DeltaNet").
+    Each value head j reads key head j // (num_v_heads / num_k_heads), as transformers groups
+    them, or j % num_k_heads where the file tiles them (llama.cpp's GGUF order, `tiled_v_heads`)."""
+    conv_kernel: int
+    num_k_heads: int
+    num_v_heads: int
+    k_head_dim: int
+    v_head_dim: int
+    tiled_v_heads: bool = False
+
+    @property
+    def key_dim(self) -> int:
+        return self.num_k_heads * self.k_head_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.num_v_heads * self.v_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the causal convolution: q, k and v."""
+        return 2 * self.key_dim + self.value_dim
+
+    @property
+    def state_values(self) -> int:
+        """f32 values of one slot's state in one layer: the recurrent state [v_heads, k_dim, v_dim]
+        and the convolution's tail, the last conv_kernel - 1 inputs of every channel."""
+        return self.num_v_heads * self.k_head_dim * self.v_head_dim + self.conv_dim * (self.conv_kernel - 1)
+
+    def num_parameters(self, hidden: int) -> int:
+        """in_proj_qkv, in_proj_z, in_proj_b, in_proj_a, out_proj, the convolution, A, dt_bias and the
+        gated norm."""
+        return hidden * (self.conv_dim + self.value_dim + 2 * self.num_v_heads) + self.value_dim * hidden \
+            + self.conv_dim * self.conv_kernel + 2 * self.num_v_heads + self.v_head_dim
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     family: str
     hidden_size: int
@@ -48,12 +90,22 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # q/k/v projections carry a bias (Qwen2)
     mlp_bias: bool = False
-    qk_norm: bool = False  # RMSNorm over head_dim on q and k before RoPE (Qwen3)
+    qk_norm: bool = False  # RMSNorm over head_dim on q and k before RoPE (Qwen3, Qwen3.5)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # Each trunk layer's mixer (FULL_ATTENTION or LINEAR_ATTENTION); empty: all full attention.
+    layer_types: tuple[str, ...] = ()
+    linear: LinearAttention | None = None  # the linear-attention layers' geometry, when there are any
+    # RoPE turns the first head_dim * partial_rotary_factor dims of each q and k head (Qwen3.5: 0.25).
+    partial_rotary_factor: float = 1.0
+    # q_proj gives each head its query and an output gate; attention's output is scaled by
+    # sigmoid(gate) before o_proj (Qwen3.5).
+    attn_output_gate: bool = False
     # tandem's own keys: one compress ratio per layer (trunk, then MTP layers); 0 is dense.
     compress_ratios: tuple[int, ...] = ()
     qsa_budget: int = 0
+    # MTP layers the model carries beside its trunk (Qwen3.5's `mtp_num_hidden_layers`, GGUF's
+    # nextn_predict_layers); 0 for a model without.
     num_nextn_predict_layers: int = 0
 
     def __post_init__(self) -> None:
@@ -68,18 +120,42 @@ class ModelConfig:
         return self.num_kv_heads * self.head_dim
 
     @property
+    def rotary_dim(self) -> int:
+        """Dims of each q and k head that RoPE turns (the first ones; all without partial RoPE)."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        """Each trunk layer's mixer."""
+        return self.layer_types or (FULL_ATTENTION,) * self.num_layers
+
+    def is_recurrent(self, layer: int) -> bool:
+        return self.kinds[layer] == LINEAR_ATTENTION
+
+    @property
+    def recurrent_layers(self) -> int:
+        return sum(map(self.is_recurrent, range(self.num_layers)))
+
+    @property
     def layer_ratios(self) -> tuple[int, ...]:
         """Compress ratio of each trunk layer (all 0, dense, when the config names none)."""
         return self.compress_ratios[: self.num_layers] or (0,) * self.num_layers
 
-    def num_parameters(self) -> int:
+    def layer_parameters(self, layer: int) -> int:
+        """One trunk layer's weights (its mixer, its MLP and its norms); an MTP layer's block is an
+        attention layer's."""
         h, i, q, kv = self.hidden_size, self.intermediate_size, self.q_size, self.kv_size
-        attn = h * q + 2 * h * kv + q * h + (q + 2 * kv if self.attention_bias else 0)
         mlp = 3 * h * i + ((2 * i + h) if self.mlp_bias else 0)
-        norms = 2 * h + (2 * self.head_dim if self.qk_norm else 0)
-        embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
-        return self.num_layers * (attn + mlp + norms) + embed + h
+        if layer < self.num_layers and self.is_recurrent(layer):
+            return self.linear.num_parameters(h) + mlp + 2 * h
+        q_out = 2 * q if self.attn_output_gate else q
+        attn = h * q_out + 2 * h * kv + q * h + (q + 2 * kv if self.attention_bias else 0)
+        return attn + mlp + 2 * h + (2 * self.head_dim if self.qk_norm else 0)
 
+    def num_parameters(self) -> int:
+        """The trunk's, with the embedding, lm_head and final norm (not the MTP layers)."""
+        embed = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
+        return sum(map(self.layer_parameters, range(self.num_layers))) + embed + self.hidden_size
 
 def _check(ok: bool, message: str) -> None:
     if not ok:
@@ -106,7 +182,32 @@ def _validate(c: ModelConfig) -> None:
     if r.kind == "llama3":
         _check(r.high_freq_factor > r.low_freq_factor,
                f"rope_scaling.high_freq_factor={r.high_freq_factor}: must exceed low_freq_factor={r.low_freq_factor}")
+    _check(0 < c.partial_rotary_factor <= 1 and c.rotary_dim % 2 == 0 and c.rotary_dim > 0,
+           f"partial_rotary_factor={c.partial_rotary_factor}: must turn an even number of each head's {c.head_dim} "
+           f"dims, at least 2 (gives {c.rotary_dim})")
+    _validate_layer_types(c)
     _validate_compression(c)
+
+
+def _validate_layer_types(c: ModelConfig) -> None:
+    if not c.layer_types:
+        return
+    _check(len(c.layer_types) == c.num_layers,
+           f"layer_types has {len(c.layer_types)} entries: needs one per trunk layer ({c.num_layers})")
+    for i, kind in enumerate(c.layer_types):
+        _check(kind in (FULL_ATTENTION, LINEAR_ATTENTION),
+               f"layer_types[{i}]={kind!r}: must be {FULL_ATTENTION} or {LINEAR_ATTENTION}")
+    if LINEAR_ATTENTION not in c.layer_types:
+        return
+    lin = c.linear
+    _check(lin is not None, f"layer_types: {LINEAR_ATTENTION} layers need the linear_* geometry "
+                            "(linear_num_key_heads, linear_num_value_heads, linear_key_head_dim, ...)")
+    for name in ("conv_kernel", "num_k_heads", "num_v_heads", "k_head_dim", "v_head_dim"):
+        value = getattr(lin, name)
+        _check(isinstance(value, int) and value > 0, f"linear {name}={value!r}: must be a positive integer")
+    _check(lin.num_v_heads % lin.num_k_heads == 0,
+           f"linear_num_key_heads={lin.num_k_heads}: must divide linear_num_value_heads={lin.num_v_heads}")
+    _check(lin.conv_kernel >= 2, f"linear_conv_kernel_dim={lin.conv_kernel}: must be >= 2")
 
 
 def _validate_compression(c: ModelConfig) -> None:
@@ -120,6 +221,9 @@ def _validate_compression(c: ModelConfig) -> None:
     first_qsa = None
     for i, ratio in enumerate(c.compress_ratios):
         _check(ratio == 0 or ratio >= 2, f"compress_ratios[{i}]={ratio}: must be 0 (dense) or >= 2 (QSA)")
+        _check(ratio == 0 or i >= c.num_layers or not c.is_recurrent(i),
+               f"compress_ratios[{i}]={ratio}: layer {i} is a {LINEAR_ATTENTION} (recurrent) layer; only attention "
+               "layers take a compress ratio")
         if ratio and first_qsa is None:
             first_qsa = i
         elif ratio:
@@ -156,130 +260,23 @@ def with_compression(c: ModelConfig, override: CompressRatios | None, budget: in
     return target, draft_ratios
 
 
-def _get(d: dict, key: str, default=None):
-    value = d.get(key)
-    return default if value is None else value
-
-
-def _rope_from_hf(d: dict) -> RopeConfig:
-    # transformers 5 writes rope_parameters; older configs write rope_theta plus rope_scaling.
-    params = dict(_get(d, "rope_parameters", {}) or {})
-    scaling = dict(_get(d, "rope_scaling", {}) or {})
-    params = {**scaling, **params}
-    theta = float(_get(params, "rope_theta", _get(d, "rope_theta", 10000.0)))
-    kind = _get(params, "rope_type", _get(params, "type", "default"))
-    source = "rope_parameters" if d.get("rope_parameters") else "rope_scaling"
-    _check(kind in ROPE_KINDS, f"{source}.rope_type={kind!r}: unsupported RoPE scaling (supported: {', '.join(ROPE_KINDS)})")
-    if "partial_rotary_factor" in params or "partial_rotary_factor" in d:
-        factor = _get(params, "partial_rotary_factor", _get(d, "partial_rotary_factor", 1.0))
-        _check(factor == 1.0, f"partial_rotary_factor={factor}: partial RoPE is not supported")
-    original = int(_get(params, "original_max_position_embeddings", _get(d, "max_position_embeddings", 2048)))
-    return RopeConfig(
-        theta=theta, kind=kind, factor=float(_get(params, "factor", 1.0)), original_max_positions=original,
-        low_freq_factor=float(_get(params, "low_freq_factor", 1.0)),
-        high_freq_factor=float(_get(params, "high_freq_factor", 4.0)),
-        beta_fast=float(_get(params, "beta_fast", 32.0)), beta_slow=float(_get(params, "beta_slow", 1.0)),
-        attention_factor=params.get("attention_factor"), mscale=params.get("mscale"),
-        mscale_all_dim=params.get("mscale_all_dim"), truncate=bool(_get(params, "truncate", True)),
-    )
-
-
-def _reject_sliding_window(d: dict) -> None:
-    window = d.get("sliding_window")
-    uses_window = d.get("use_sliding_window", window is not None)
-    if d.get("layer_types"):
-        kinds = set(d["layer_types"])
-        _check(kinds <= {"full_attention"}, f"layer_types={sorted(kinds)}: only full_attention layers are supported")
-    _check(not (uses_window and window is not None),
-           f"sliding_window={window}: sliding-window attention is not supported (set it to null)")
-
-
-def from_hf_dict(d: dict) -> ModelConfig:
-    """Build a ModelConfig from the dict of an HF config.json."""
-    family = d.get("model_type", d.get("architectures", ["?"])[0] if d.get("architectures") else "?")
-    _check(family in FAMILIES, f"model_type={family!r}: unknown architecture (supported: {', '.join(FAMILIES)})")
-    _reject_sliding_window(d)
-    for key in ("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size", "intermediate_size"):
-        _check(key in d, f"{key}: missing from config.json")
-    hidden, heads = d["hidden_size"], d["num_attention_heads"]
-    head_dim = d.get("head_dim")
-    if head_dim is None:
-        _check(hidden % heads == 0,
-               f"hidden_size={hidden}: must be divisible by num_attention_heads={heads} when head_dim is absent")
-        head_dim = hidden // heads
-    eos = d.get("eos_token_id")
-    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
-    return ModelConfig(
-        family=family, hidden_size=hidden, intermediate_size=d["intermediate_size"],
-        num_layers=d["num_hidden_layers"], num_heads=heads,
-        num_kv_heads=_get(d, "num_key_value_heads", heads), head_dim=head_dim, vocab_size=d["vocab_size"],
-        rms_norm_eps=float(_get(d, "rms_norm_eps", 1e-6)), rope=_rope_from_hf(d),
-        max_position_embeddings=int(_get(d, "max_position_embeddings", 2048)),
-        tie_word_embeddings=bool(_get(d, "tie_word_embeddings", False)),
-        # transformers fixes q/k/v biases for Qwen2 (always) and Mistral (never), whatever the key says.
-        attention_bias=family == "qwen2" or (family in ("llama", "qwen3") and bool(_get(d, "attention_bias", False))),
-        mlp_bias=bool(_get(d, "mlp_bias", False)), qk_norm=family == "qwen3",
-        bos_token_id=d.get("bos_token_id"), eos_token_ids=eos_ids,
-        compress_ratios=tuple(d.get("compress_ratios") or ()), qsa_budget=int(_get(d, "qsa_budget", 0)),
-        num_nextn_predict_layers=int(_get(d, "num_nextn_predict_layers", 0)),
-    )
-
-
-def from_gguf_metadata(meta: dict, tensor_shapes: dict[str, tuple[int, ...]]) -> ModelConfig:
-    """Build a ModelConfig from GGUF key/values (already decoded to Python values)."""
-    arch = meta.get("general.architecture", "?")
-    _check(arch in FAMILIES, f"general.architecture={arch!r}: unknown architecture (supported: {', '.join(FAMILIES)})")
-
-    def key(name, default=None):
-        return meta.get(f"{arch}.{name}", default)
-
-    for name in ("embedding_length", "block_count", "attention.head_count", "feed_forward_length"):
-        _check(key(name) is not None, f"{arch}.{name}: missing from GGUF metadata")
-    hidden, heads = int(key("embedding_length")), int(key("attention.head_count"))
-    head_dim = key("attention.key_length")
-    if head_dim is None:
-        _check(hidden % heads == 0,
-               f"{arch}.embedding_length={hidden}: must be divisible by {arch}.attention.head_count={heads} "
-               "when attention.key_length is absent")
-        head_dim = hidden // heads
-    window = key("attention.sliding_window")
-    _check(not window, f"{arch}.attention.sliding_window={window}: sliding-window attention is not supported")
-    vocab = key("vocab_size") or len(meta.get("tokenizer.ggml.tokens", ())) or tensor_shapes["token_embd.weight"][0]
-    scaling = key("rope.scaling.type", "none")
-    kind = {"none": "default", "linear": "linear", "yarn": "yarn", "llama3": "llama3"}.get(scaling, scaling)
-    # llama.cpp stores llama3 scaling as precomputed per-frequency factors, which tandem does not read.
-    _check("rope_freqs.weight" not in tensor_shapes,
-           "rope_freqs.weight: GGUF files with precomputed RoPE frequency factors are not supported")
-    rope = RopeConfig(
-        theta=float(key("rope.freq_base", 10000.0)), kind=kind, factor=float(key("rope.scaling.factor", 1.0)),
-        original_max_positions=int(key("rope.scaling.original_context_length", key("context_length", 2048))),
-    )
-    eos = meta.get("tokenizer.ggml.eos_token_id")
-    eot = meta.get("tokenizer.ggml.eot_token_id")
-    return ModelConfig(
-        family=arch, hidden_size=hidden, intermediate_size=int(key("feed_forward_length")),
-        num_layers=int(key("block_count")), num_heads=heads,
-        num_kv_heads=int(key("attention.head_count_kv", heads)), head_dim=int(head_dim), vocab_size=int(vocab),
-        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-6)), rope=rope,
-        max_position_embeddings=int(key("context_length", 2048)),
-        tie_word_embeddings="output.weight" not in tensor_shapes,
-        attention_bias="blk.0.attn_q.bias" in tensor_shapes, qk_norm="blk.0.attn_q_norm.weight" in tensor_shapes,
-        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
-        eos_token_ids=tuple(dict.fromkeys(t for t in (eos, eot) if t is not None)),
-        compress_ratios=tuple(int(r) for r in key("attention.compress_ratios", ())),
-        qsa_budget=int(key("attention.qsa_budget", 0)),
-    )
-
-
 def cache_bytes_per_position(config: ModelConfig, bytes_per_value: float) -> dict[str, tuple[int, float, float]]:
     """Per layer kind ("dense", "qsa r=4"): (layers of that kind, K+V bytes one position costs in
     one such layer, pooled-key bytes per position: an f32 key per `ratio` positions)."""
     out: dict[str, tuple[int, float, float]] = {}
-    for ratio in config.layer_ratios:
+    for layer, ratio in enumerate(config.layer_ratios):
+        if config.is_recurrent(layer):  # a state per slot, not per position: recurrent_state_bytes
+            continue
         kind = f"qsa r={ratio}" if ratio else "dense"
         layers = out.get(kind, (0, 0.0, 0.0))[0] + 1
         out[kind] = (layers, 2 * config.kv_size * bytes_per_value, config.kv_size * 4 / ratio if ratio else 0.0)
     return out
+
+
+def recurrent_state_bytes(config: ModelConfig) -> int:
+    """One slot's state in every linear-attention layer: f32 recurrent state and convolution tail
+    (one position's; engine/model/recurrent_cache.py keeps a few positions' per slot)."""
+    return 4 * config.linear.state_values * config.recurrent_layers if config.linear else 0
 
 
 def describe_rope(rope: RopeConfig) -> str:

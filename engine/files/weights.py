@@ -19,7 +19,9 @@ import torch
 
 from engine.errors import ConfigError, WeightsError
 from engine.files.disk_cache import cache_path, partial_path
-from engine.files.model_config import ModelConfig, from_gguf_metadata, from_hf_dict
+from engine.files import qwen3_5_layout
+from engine.files.config_readers import from_gguf_metadata, from_hf_dict
+from engine.files.model_config import ModelConfig
 from engine.ops.blocks import GGUF_TYPES, BlockTensor
 
 log = logging.getLogger("tandem.weights")
@@ -67,7 +69,11 @@ def default_model_path() -> Path:
     raise ConfigError(f"model=default: {DEFAULT_MODEL_FILE} not found in package {DEFAULT_MODEL_PACKAGE}")
 
 
-def hf_name_of_gguf(name: str) -> str | None:
+def hf_name_of_gguf(name: str, family: str, trunk: int) -> str | None:
+    """tandem's (transformers') name of a GGUF tensor of a model of `family` with `trunk` layers
+    before any MTP layers, None for one it does not read."""
+    if family == "qwen3_5":
+        return qwen3_5_layout.gguf_name(name, trunk)
     if name in _GGUF_GLOBAL_NAMES:
         return _GGUF_GLOBAL_NAMES[name]
     parts = name.split(".", 2)
@@ -88,7 +94,10 @@ class ModelFiles:
     stored: dict[str, tuple[int, int]] = field(default_factory=dict)
 
     def expected_shapes(self) -> dict[str, tuple[int, ...]]:
+        """The trunk's tensors, the embedding, final norm and lm_head (not the MTP layers')."""
         c = self.config
+        if c.family == "qwen3_5":
+            return qwen3_5_layout.trunk_shapes(c)
         h, q, kv, i = c.hidden_size, c.q_size, c.kv_size, c.intermediate_size
         out = {"model.embed_tokens.weight": (c.vocab_size, h), "model.norm.weight": (h,)}
         if not c.tie_word_embeddings:
@@ -112,12 +121,29 @@ class ModelFiles:
         return out
 
     def check_shapes(self) -> None:
-        for name, expected in self.expected_shapes().items():
-            found = self.shapes.get(name)
-            if found is None:
-                raise WeightsError(f"tensor {name}: missing from {self.path} (expected shape {list(expected)})")
-            if tuple(found) != expected:
-                raise WeightsError(f"tensor {name}: expected shape {list(expected)}, found {list(found)}")
+        _check_shapes(self.path, self.shapes, self.expected_shapes())
+
+    @property
+    def has_trunk(self) -> bool:
+        """Whether the file holds the trunk's layers (an MTP-only GGUF holds its MTP layer alone)."""
+        return "model.layers.0.input_layernorm.weight" in self.shapes
+
+    @property
+    def has_mtp(self) -> bool:
+        """Whether the file holds the model's own MTP layers (Qwen3.5's `mtp.*`, GGUF's nextn)."""
+        return self.config.num_nextn_predict_layers > 0 and "mtp.fc.weight" in self.shapes
+
+    def mtp_shapes(self) -> dict[str, tuple[int, ...]]:
+        """The MTP layers' tensors, with the optional ones the file holds; checked against the file."""
+        c = self.config
+        names = {**qwen3_5_layout.mtp_shapes(c),
+                 **{n: s for n, s in qwen3_5_layout.optional_mtp_shapes(c).items() if n in self.shapes}}
+        _check_shapes(self.path, self.shapes, names)
+        return names
+
+    def load_mtp(self, keep_blocks: bool = False) -> dict[str, torch.Tensor | BlockTensor]:
+        """The model's own MTP layers' tensors, as load_tensors reads the trunk's."""
+        return self._load(self.mtp_shapes(), keep_blocks)
 
     def load_tensors(self, layers: range | None = None, ends: bool = True,
                      keep_blocks: bool = False) -> dict[str, torch.Tensor | BlockTensor]:
@@ -130,13 +156,27 @@ class ModelFiles:
             own = tuple(f"model.layers.{i}." for i in layers)
             names = {n: shape for n, shape in names.items()
                      if n.startswith(own) or (ends and not n.startswith("model.layers."))}
+        return self._load(names, keep_blocks)
+
+    def _load(self, names: dict[str, tuple[int, ...]], keep_blocks: bool) -> dict[str, torch.Tensor | BlockTensor]:
         if self.format == "hf":
-            return _load_safetensors(self.path, names)
+            return _load_safetensors(self.path, names, self.config.family)
         return _load_gguf(self.gguf_tensors, self.config, names, keep_blocks)
 
 
-def open_model(path: str | Path | None) -> ModelFiles:
-    """Resolve a --model argument and read its headers. Raises ConfigError or WeightsError."""
+def _check_shapes(path: Path, shapes: dict[str, tuple[int, ...]], expected: dict[str, tuple[int, ...]]) -> None:
+    for name, want in expected.items():
+        found = shapes.get(name)
+        if found is None:
+            raise WeightsError(f"tensor {name}: missing from {path} (expected shape {list(want)})")
+        if tuple(found) != want:
+            raise WeightsError(f"tensor {name}: expected shape {list(want)}, found {list(found)}")
+
+
+def open_model(path: str | Path | None, trunk: bool = True) -> ModelFiles:
+    """Resolve a --model argument and read its headers. Raises ConfigError or WeightsError.
+    trunk=False also takes a file that holds only a model's MTP layers (an MTP-only GGUF, as
+    llama.cpp's converter writes with --mtp), whose trunk tensors are then not checked."""
     if path is None or str(path) == "default":
         path = default_model_path()
     path = Path(path)
@@ -150,7 +190,8 @@ def open_model(path: str | Path | None) -> ModelFiles:
         files = _open_gguf(path)
     else:
         raise ConfigError(f"model={str(path)!r}: not a model (expected an HF directory or a .gguf file)")
-    files.check_shapes()
+    if trunk or files.has_trunk or not files.has_mtp:
+        files.check_shapes()
     return files
 
 
@@ -187,7 +228,9 @@ def _open_hf(path: Path) -> ModelFiles:
     shapes = {}
     for f in files:
         for name, info in _safetensors_header(f).items():
-            shapes[name] = tuple(info["shape"])
+            name = _tandem_name(name, config.family)
+            shapes[name] = qwen3_5_layout.hf_shape(name, tuple(info["shape"])) if config.family == "qwen3_5" \
+                else tuple(info["shape"])
     return ModelFiles(path, "hf", config, shapes)
 
 
@@ -262,20 +305,27 @@ def _open_gguf_version(path: Path, size: int, mtime_ns: int) -> ModelFiles:
     config = from_gguf_metadata(meta, gguf_shapes)
     shapes, stored = {}, {}
     for t in tensors:
-        hf = hf_name_of_gguf(t.name)
+        hf = hf_name_of_gguf(t.name, config.family, config.num_layers)
         if hf is not None:
             shapes[hf], stored[hf] = gguf_shapes[t.name], (int(t.tensor_type), int(t.data.nbytes))
     return ModelFiles(path, "gguf", config, shapes, gguf_tensors=tensors, stored=stored)
 
 
-def _load_safetensors(path: Path, names: dict) -> dict[str, torch.Tensor]:
+def _tandem_name(name: str, family: str) -> str:
+    """An HF checkpoint's tensor name as tandem reads it (transformers' own, but for Qwen3.5's)."""
+    return qwen3_5_layout.hf_name(name) if family == "qwen3_5" else name
+
+
+def _load_safetensors(path: Path, names: dict, family: str) -> dict[str, torch.Tensor]:
     from safetensors import safe_open
     out = {}
     for f in sorted(path.glob("*.safetensors")):
         with safe_open(str(f), framework="pt") as st:
-            for name in st.keys():
+            for stored in st.keys():
+                name = _tandem_name(stored, family)
                 if name in names:
-                    out[name] = st.get_tensor(name).float()
+                    tensor = st.get_tensor(stored).float()
+                    out[name] = qwen3_5_layout.adapt_hf(name, tensor) if family == "qwen3_5" else tensor
     return out
 
 
@@ -291,7 +341,7 @@ def _load_gguf(tensors: list[GGUFTensor], config: ModelConfig, names: dict,
     import gguf
     out, unserved = {}, []
     for t in tensors:
-        hf = hf_name_of_gguf(t.name)
+        hf = hf_name_of_gguf(t.name, config.family, config.num_layers)
         if hf not in names:
             continue
         shape = names[hf]

@@ -18,7 +18,10 @@ from typing import NamedTuple, Sequence
 
 import torch
 
-from engine.model.qsa import DENSE, LayerSpec, block_means
+from engine.files.model_config import ModelConfig
+from engine.model.layer_spec import DENSE, LayerSpec
+from engine.model.qsa import block_means
+from engine.model.recurrent_cache import RecurrentCache
 from engine.settings import PAGE_SIZE, EngineConfig
 
 # q8_0 is named by torch.int8 here; the cache stores it as Q8Storage, which reads back as float32.
@@ -108,6 +111,12 @@ def _nbytes(stores) -> int:
     return sum(s.nbytes if isinstance(s, Q8Storage) else s.numel() * s.element_size() for s in stores if s is not None)
 
 
+def _attention_storage(specs, devices, make) -> list:
+    """make(device) for each attention layer, None for a recurrent one (its state lives in the
+    RecurrentCache)."""
+    return [None if spec.is_recurrent else make(device) for spec, device in zip(specs, devices)]
+
+
 def _specs(specs: Sequence[LayerSpec] | None, num_layers: int) -> list[LayerSpec]:
     specs = list(specs) if specs is not None else [DENSE] * num_layers
     assert len(specs) == num_layers, f"{len(specs)} layer specs for {num_layers} layers"
@@ -121,10 +130,35 @@ def _devices(devices: Sequence[torch.device | str] | None, num_layers: int) -> l
 
 
 class _Stores:
-    """What both layouts hold per layer: K and V (floats or Q8Storage), and a QSA layer's kpool."""
+    """What both layouts hold per layer: K and V (floats or Q8Storage), and a QSA layer's kpool; and,
+    for a model with linear-attention layers, their states (`recurrent`, per slot, not per position)."""
     k: list
     v: list
     kpool: list
+    recurrent: RecurrentCache | None = None
+
+    def reusable(self, slot: int, length: int, with_hidden: bool = False) -> int:
+        """The longest prefix of the slot, at most `length`, a request can resume from: any length
+        for K/V; for a recurrent model one whose state the slot holds (RecurrentCache.reusable)."""
+        return length if self.recurrent is None else self.recurrent.reusable(slot, length, with_hidden)
+
+    def checkpoint(self, slot: int, length: int, hidden=None) -> None:
+        """A recurrent model keeps the slot's state after `length` positions (a prompt's or an
+        answer's end) for a next request that shares them; nothing to keep for K/V alone."""
+        if self.recurrent is not None:
+            self.recurrent.checkpoint(slot, length, hidden)
+
+    def begin_rows(self, rows) -> None:
+        """A forward is about to write the rows' positions (each a Row of engine/model/batch.py)."""
+        if self.recurrent is not None:
+            for row in rows:
+                self.recurrent.begin(row.slot, row.start, len(row.tokens))
+
+    def end_rows(self, rows) -> None:
+        """The forward wrote them: the recurrent states it kept are there to resume from."""
+        if self.recurrent is not None:
+            for row in rows:
+                self.recurrent.record(row.slot, row.start, len(row.tokens))
 
     def move(self, slot: int, src: int, dst: int) -> None:
         """Position src's K and V to position dst of the slot, in every layer: an accepted tree
@@ -134,14 +168,20 @@ class _Stores:
         a, b = self._at(slot, dst), self._at(slot, src)
         for stores in (self.k, self.v):
             for store in stores:
-                _copy(store, a, b)
+                if store is not None:
+                    _copy(store, a, b)
         for layer, spec in enumerate(self.specs):
             if spec.is_qsa and (dst + 1) % spec.ratio == 0:
                 self._pool_blocks(layer, slot, dst, dst + 1)
 
     @property
     def nbytes(self) -> int:
+        """K and V (the pooled keys and recurrent states are counted apart)."""
         return _nbytes(self.k + self.v)
+
+    @property
+    def recurrent_nbytes(self) -> int:
+        return self.recurrent.nbytes if self.recurrent is not None else 0
 
     @property
     def kpool_nbytes(self) -> int:
@@ -166,8 +206,8 @@ class KVCache(_Stores):
         shape = (num_slots, kv_heads, ctx_per_slot, head_dim)
         self.specs = _specs(specs, num_layers)
         self.devices = _devices(devices, num_layers)
-        self.k = [_storage(shape, dtype, device) for device in self.devices]
-        self.v = [_storage(shape, v_dtype or dtype, device) for device in self.devices]
+        self.k = _attention_storage(self.specs, self.devices, lambda device: _storage(shape, dtype, device))
+        self.v = _attention_storage(self.specs, self.devices, lambda device: _storage(shape, v_dtype or dtype, device))
         # [slots, kv_heads, ctx // ratio, head_dim] f32 for a QSA layer; None for a dense one.
         self.kpool = [torch.zeros(num_slots, kv_heads, ctx_per_slot // spec.ratio, head_dim, device=device)
                       if spec.is_qsa else None for spec, device in zip(self.specs, self.devices)]
@@ -187,7 +227,10 @@ class KVCache(_Stores):
         return length <= self.ctx_per_slot
 
     def truncate(self, slot: int, length: int) -> None:
-        """The slot keeps only its first `length` positions (a no-op: its room is its own)."""
+        """The slot keeps only its first `length` positions (its room is its own; a recurrent model's
+        state is set back to that length's, RecurrentCache.truncate)."""
+        if self.recurrent is not None:
+            self.recurrent.truncate(slot, length)
 
     def write(self, layer: int, slot: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v: [kv_heads, T, head_dim] for positions start .. start+T-1 of the slot."""
@@ -282,8 +325,8 @@ class PagedKVCache(_Stores):
         self.specs = _specs(specs, num_layers)
         assert all(PAGE_SIZE % spec.ratio == 0 for spec in self.specs if spec.is_qsa)
         self.devices = _devices(devices, num_layers)
-        self.k = [_storage(shape, dtype, device) for device in self.devices]
-        self.v = [_storage(shape, v_dtype or dtype, device) for device in self.devices]
+        self.k = _attention_storage(self.specs, self.devices, lambda device: _storage(shape, dtype, device))
+        self.v = _attention_storage(self.specs, self.devices, lambda device: _storage(shape, v_dtype or dtype, device))
         # [kv_heads, pool positions // ratio, head_dim] f32, indexed by pool row // ratio (QSA layers).
         self.kpool = [torch.zeros(kv_heads, shape[1] // spec.ratio, head_dim, device=device) if spec.is_qsa else None
                       for spec, device in zip(self.specs, self.devices)]
@@ -311,6 +354,8 @@ class PagedKVCache(_Stores):
         self.pool.truncate(slot, length)
         if len(self.pool.pages[slot]) != before:
             self._reindex(slot)
+        if self.recurrent is not None:
+            self.recurrent.truncate(slot, length)
 
     def _at(self, slot: int, position: int) -> tuple:
         return slice(None), int(self._index[slot][position])
@@ -386,13 +431,40 @@ class PagedKVCache(_Stores):
         return self.k[layer].index_select(1, rows), self.v[layer].index_select(1, rows)
 
 
-def cache_for(config: EngineConfig, kv_heads: int, head_dim: int, specs: Sequence[LayerSpec],
-              devices: Sequence[str]) -> KVCache:
+def cache_for(config: EngineConfig, model: ModelConfig, specs: Sequence[LayerSpec], devices: Sequence[str],
+              layers: Sequence[int] | None = None) -> KVCache:
     """The cache an engine's config asks for, one layer per spec on its device: per-slot, or one
-    unified pool (kv_unified); K and V in config.kv_types."""
+    unified pool (kv_unified); K and V in config.kv_types; the recurrent layers' states per slot,
+    as many positions' as the longest row a step writes token by token (a verify row). layers: the
+    model's indices of the specs' layers (a pipeline stage's), default 0.. ."""
     kv = tuple(KV_DTYPES[t] for t in config.kv_types)
     if config.kv_unified:
-        return PagedKVCache(len(specs), config.parallel, config.ctx_size, kv_heads, head_dim, *kv, specs=specs,
-                            devices=devices)
-    return KVCache(len(specs), config.parallel, config.ctx_per_slot, kv_heads, head_dim, *kv, specs=specs,
-                   devices=devices)
+        cache = PagedKVCache(len(specs), config.parallel, config.ctx_size, model.num_kv_heads, model.head_dim, *kv,
+                             specs=specs, devices=devices)
+    else:
+        cache = KVCache(len(specs), config.parallel, config.ctx_per_slot, model.num_kv_heads, model.head_dim, *kv,
+                        specs=specs, devices=devices)
+    if model.linear is not None:
+        cache.recurrent = recurrent_cache(model, specs, devices, config.parallel, config.state_steps, layers)
+    return cache
+
+
+def model_cache(model: ModelConfig, specs: Sequence[LayerSpec], slots: int, positions: int, steps: int = 1,
+                dtype: torch.dtype = torch.float32) -> KVCache:
+    """A per-slot cache on the CPU for a model's layers (`specs`): K/V for its attention layers, and
+    its recurrent layers' states (`steps` positions' per slot) when it has any. For building a
+    model's cache by hand, as tests and the draft trainer do."""
+    cache = KVCache(len(specs), slots, positions, model.num_kv_heads, model.head_dim, dtype, specs=specs)
+    if model.linear is not None:
+        cache.recurrent = recurrent_cache(model, specs, ["cpu"] * len(specs), slots, steps)
+    return cache
+
+
+def recurrent_cache(model: ModelConfig, specs: Sequence[LayerSpec], devices: Sequence[str], slots: int, steps: int,
+                    layers: Sequence[int] | None = None) -> RecurrentCache:
+    """The states of the recurrent layers among `specs` (model indices `layers`, default 0..)."""
+    layers = list(layers if layers is not None else range(len(specs)))
+    own = [(i, layer, device) for i, (layer, spec, device) in enumerate(zip(layers, specs, devices))
+           if spec.is_recurrent]
+    return RecurrentCache([i for i, _, _ in own], slots, model.linear, steps, model.hidden_size,
+                          [device for _, _, device in own])

@@ -26,9 +26,10 @@ from torch import nn
 from engine.errors import ConfigError
 from engine.files.model_config import ModelConfig
 from engine.model.batch import ForwardBatch
-from engine.model.qsa import LayerSpec
+from engine.model.layer_spec import LayerSpec
 from engine.model.rope import rope_table
-from engine.model.transformer import DecoderLayer, RMSNorm, embed_rows, run_on
+from engine.model.norm import RMSNorm
+from engine.model.transformer import DecoderLayer, embed_rows, run_on
 from engine.ops.arena import move_to_huge_pages
 from engine.ops.blocks import BlockTensor
 from engine.ops.quant import Linear, compute_dtype

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from engine.errors import check_rules
 from engine.model import qsa
-from engine.model.qsa import LayerSpec
+from engine.model.layer_spec import LayerSpec
 
 KINDS = ("head_mean", "qk")
 REDUCES = ("mean", "none")

@@ -12,36 +12,9 @@ Every layer carries its own `LayerSpec`; nothing looks a ratio up by layer index
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-
-@dataclass(frozen=True)
-class LayerSpec:
-    kind: str  # "dense" or "qsa"
-    ratio: int = 0  # positions per pooled block (QSA)
-    budget: int = 0  # positions of complete blocks a query may keep (QSA), a multiple of ratio
-
-    @classmethod
-    def of(cls, ratio: int, budget: int) -> "LayerSpec":
-        """The spec of a layer with compress ratio `ratio` (0: dense) under the model's budget."""
-        return cls("qsa", ratio, budget) if ratio else DENSE
-
-    @property
-    def is_qsa(self) -> bool:
-        return self.kind == "qsa"
-
-    @property
-    def keep(self) -> int:
-        """Complete blocks a query attends beyond its tail block."""
-        return self.budget // self.ratio
-
-    def describe(self) -> str:
-        return f"qsa r={self.ratio}" if self.is_qsa else "dense"
-
-
-DENSE = LayerSpec("dense")
+from engine.model.layer_spec import LayerSpec
 
 
 def block_means(keys: torch.Tensor, ratio: int) -> torch.Tensor:

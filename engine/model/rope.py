@@ -61,7 +61,8 @@ def _yarn(inv: torch.Tensor, rope: RopeConfig, dim: int) -> tuple[torch.Tensor, 
 
 
 def rope_table(rope: RopeConfig, head_dim: int, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin for every position, each [max_positions, head_dim] (both halves repeated)."""
+    """cos and sin for every position, each [max_positions, head_dim] (both halves repeated);
+    head_dim: the dims RoPE turns (ModelConfig.rotary_dim)."""
     inv, attention = inverse_frequencies(rope, head_dim)
     angles = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv)
     angles = torch.cat([angles, angles], dim=-1)
@@ -77,7 +78,11 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [N, heads, head_dim]; cos, sin: [N, 1, head_dim]. Rotates the two halves of each head."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin
+    """x: [N, heads, head_dim]; cos, sin: [N, 1, R], R the rotary dims (head_dim, or fewer for partial
+    RoPE: then only each head's first R dims turn). Rotates the two halves of those dims."""
+    r = cos.shape[-1]
+    turned, kept = x[..., :r], x[..., r:]
+    half = r // 2
+    rotated = torch.cat([-turned[..., half:], turned[..., :half]], dim=-1)
+    out = turned * cos + rotated * sin
+    return out if r == x.shape[-1] else torch.cat([out, kept], dim=-1)

@@ -112,6 +112,11 @@ def to_f32(weight: torch.Tensor | BlockTensor) -> torch.Tensor:
     return weight.dequantize() if isinstance(weight, BlockTensor) else weight.float()
 
 
+def take_rows(weight: torch.Tensor | BlockTensor, index: torch.Tensor) -> torch.Tensor | BlockTensor:
+    """The weight's rows `index`, in order; a block weight's stay blocks (a row is whole blocks)."""
+    return weight.rows(index) if isinstance(weight, BlockTensor) else weight[index]
+
+
 def cat_rows(parts: list[torch.Tensor | BlockTensor]) -> torch.Tensor | BlockTensor:
     """Weights stacked along their rows (fused projections): blocks of one format stay blocks; a
     mix of formats becomes f32."""

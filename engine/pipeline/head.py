@@ -18,8 +18,8 @@ class PipelineError(RuntimeError):
 
 
 class MirroredCache:
-    """The head's KV cache as its scheduler and engine use it: every `ensure`, `truncate` and
-    `move` is also queued for the workers' caches, which replay them in order before their next
+    """The head's KV cache as its scheduler and engine use it: every `ensure`, `truncate`, `move`
+    and `checkpoint` is also queued for the workers' caches, which replay them in order before their next
     forward. Page allocation is deterministic, so each stage's pool then holds the same pages for
     the same slots as the head's, and a kept sibling's K/V (and pooled keys) move on every stage."""
 
@@ -37,6 +37,14 @@ class MirroredCache:
     def move(self, slot: int, src: int, dst: int) -> None:
         self.queued.append((CacheOp.MOVE, slot, src, dst))
         self.cache.move(slot, src, dst)
+
+    def checkpoint(self, slot: int, length: int, hidden=None) -> None:
+        """The workers keep their layers' states; the target's hidden state stays on the head."""
+        self.queued.append((CacheOp.CHECKPOINT, slot, length, 0))
+        self.cache.checkpoint(slot, length, hidden)
+
+    def reusable(self, slot: int, length: int, with_hidden: bool = False) -> int:
+        return self.cache.reusable(slot, length, with_hidden)
 
 
 class RemoteStages(nn.Module):

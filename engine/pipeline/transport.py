@@ -37,10 +37,11 @@ class Op(IntEnum):
 class CacheOp(IntEnum):
     """What a head's engine did to its KV cache, to be done to every stage's (kv_cache.py), as
     (CacheOp, slot, a, b): ENSURE and TRUNCATE a slot to length a; MOVE position a's K/V to b (a
-    kept tree sibling's)."""
+    kept tree sibling's); CHECKPOINT a recurrent model's state after a positions."""
     ENSURE = 1
     TRUNCATE = 2
     MOVE = 3
+    CHECKPOINT = 4
 
 
 class LinkError(RuntimeError):

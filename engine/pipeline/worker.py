@@ -8,7 +8,7 @@ import torch
 
 from engine.model.batch import ForwardBatch
 from engine.model.kv_cache import cache_for
-from engine.model.qsa import LayerSpec
+from engine.model.layer_spec import trunk_specs
 from engine.model.rope import rope_table
 from engine.model.transformer import DecoderLayer, Stage
 from engine.ops.arena import move_to_huge_pages
@@ -37,14 +37,14 @@ class WorkerStage:
             prefix = f"model.layers.{i}."
             renamed.update({f"model.layers.{i - layers.start}.{n[len(prefix):]}": t
                             for n, t in tensors.items() if n.startswith(prefix)})
-        specs = [LayerSpec.of(config.layer_ratios[i], config.qsa_budget) for i in layers]
+        specs = trunk_specs(config, layers)
         self.stage = Stage([DecoderLayer(config, renamed, i, dtype, spec) for i, spec in enumerate(specs)], device,
                            False, False)
         move_to_huge_pages(self.stage)
         c = engine_config
-        cos, sin = rope_table(config.rope, config.head_dim, max(c.ctx_per_slot, config.max_position_embeddings))
+        cos, sin = rope_table(config.rope, config.rotary_dim, max(c.ctx_per_slot, config.max_position_embeddings))
         self.cos, self.sin = cos.to(compute_dtype(dtype)), sin.to(compute_dtype(dtype))
-        self.cache = cache_for(c, config.num_kv_heads, config.head_dim, specs, [device] * len(specs))
+        self.cache = cache_for(c, config, specs, [device] * len(specs))
 
     def apply(self, cache_ops: list[tuple[int, int, int, int]]) -> None:
         for op, slot, a, b in cache_ops:
@@ -52,13 +52,18 @@ class WorkerStage:
                 self.cache.ensure(slot, a)
             elif op == CacheOp.TRUNCATE:
                 self.cache.truncate(slot, a)
+            elif op == CacheOp.CHECKPOINT:
+                self.cache.checkpoint(slot, a)
             else:
                 self.cache.move(slot, a, b)
 
     @torch.inference_mode()
     def run(self, rows, x: torch.Tensor) -> torch.Tensor:
         batch = ForwardBatch.build(rows)
-        return self.stage.run(x, batch, self.cos[batch.rope], self.sin[batch.rope], self.cache)
+        self.cache.begin_rows(batch.rows)
+        x = self.stage.run(x, batch, self.cos[batch.rope], self.sin[batch.rope], self.cache)
+        self.cache.end_rows(batch.rows)
+        return x
 
 
 def serve(stage: WorkerStage, link: Link, timeout: float) -> None:

@@ -10,7 +10,7 @@ from engine.files.model_config import ModelConfig
 from engine.files.weights import ModelFiles, open_model
 from engine.model import mtp
 from engine.model.kv_cache import KVCache
-from engine.model.qsa import LayerSpec
+from engine.model.layer_spec import LayerSpec
 from engine.model.transformer import Transformer, embedding_table
 from engine.ops.blocks import FORMATS
 from engine.ops.quant import compute_dtype, keeps_blocks

@@ -25,7 +25,7 @@ CONFIG = tiny_config("llama")
 def gguf_names(num_layers: int) -> dict[str, str]:
     """HF tensor name -> GGUF name: the inverse of the map tandem reads GGUF files with."""
     names = [*_GGUF_GLOBAL_NAMES, *(f"blk.{i}.{n}" for i in range(num_layers) for n in _GGUF_LAYER_NAMES)]
-    return {hf_name_of_gguf(name): name for name in names}
+    return {hf_name_of_gguf(name, "llama", num_layers): name for name in names}
 
 
 def llama_cpp_rows(w: np.ndarray, n_heads: int) -> np.ndarray:

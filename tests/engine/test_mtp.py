@@ -15,7 +15,7 @@ from engine.files.weights import open_model
 from engine.model import mtp
 from engine.model.batch import ForwardBatch, Row
 from engine.model.kv_cache import KVCache
-from engine.model.qsa import DENSE
+from engine.model.layer_spec import DENSE
 from engine.settings import DEFAULT_DRAFT
 from train.draft import draft_tensors
 

@@ -13,7 +13,7 @@ import torch
 from engine.cli.tiny import TOKENIZER_SIZE, tiny_config, write_tiny_model
 from engine.files.weights import open_model
 from engine.model.batch import ForwardBatch, Row
-from engine.model.kv_cache import KVCache
+from engine.model.kv_cache import KVCache, model_cache
 from engine.model.transformer import Transformer
 
 TOLERANCE = 1e-4  # max abs logit difference in f32
@@ -42,7 +42,8 @@ ROPE_CASES = {
         "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64})),
 }
 CASES = {
-    **{name: Case(tiny_config(name)) for name in ("llama", "qwen2", "qwen3", "mistral", "hd160", "explicit_hd")},
+    **{name: Case(tiny_config(name)) for name in ("llama", "qwen2", "qwen3", "mistral", "hd160", "explicit_hd",
+                                                  "qwen3_5")},
     "gqa_16_heads_8_kv": Case(tiny_config("llama", hidden_size=256, num_attention_heads=16, num_key_value_heads=8)),
     **ROPE_CASES,
 }
@@ -106,9 +107,9 @@ def load_engine_model(path: Path) -> Transformer:
     return Transformer(files.config, files.load_tensors(), dtype="f32", max_positions=MAX_POSITIONS)
 
 
-def new_cache(model: Transformer, slots: int) -> KVCache:
-    c = model.config
-    return KVCache(c.num_layers, slots, MAX_POSITIONS, c.num_kv_heads, c.head_dim)
+def new_cache(model: Transformer, slots: int, steps: int = 1) -> KVCache:
+    """steps: positions whose recurrent state a slot keeps (a model with linear-attention layers)."""
+    return model_cache(model.config, model.specs, slots, MAX_POSITIONS, steps)
 
 
 def step(model: Transformer, cache: KVCache, rows: list[Row]) -> list[torch.Tensor]:

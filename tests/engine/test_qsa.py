@@ -14,7 +14,7 @@ from engine.files.model_config import with_compression
 from engine.files.weights import open_model
 from engine.model.batch import ForwardBatch, Row
 from engine.model.kv_cache import KVCache, PagedKVCache
-from engine.model.qsa import LayerSpec
+from engine.model.layer_spec import LayerSpec
 from engine.model.rope import rotate
 from engine.model.transformer import Transformer, fused_layers
 from engine.ops import kernels

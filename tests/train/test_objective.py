@@ -8,7 +8,7 @@ import torch
 
 from engine.files.weights import open_model
 from engine.model import mtp
-from engine.model.qsa import DENSE
+from engine.model.layer_spec import DENSE
 from train import objective
 from train.data import Sequence
 from train.draft import draft_tensors

@@ -1,0 +1,116 @@
+"""Softmax attention over a layer's KV cache: dense, or QSA over pooled key blocks
+(engine/model/qsa.py), as the layer's LayerSpec says; with Qwen3.5's output gate where the model has
+one (each head's query comes with a gate, and the head's output is scaled by sigmoid(gate)).
+
+Rows of one token of a dense layer attend in one kernel call; the others (prompt chunks, verify
+rows, QSA layers) attend row by row over views of their slot's cache.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.files.model_config import ModelConfig
+from engine.model import qsa
+from engine.model.batch import ForwardBatch
+from engine.model.fused import fused_linear
+from engine.model.kv_cache import KVCache
+from engine.model.norm import RMSNorm
+from engine.model.layer_spec import LayerSpec
+from engine.model.rope import rotate
+from engine.ops import blocks, kernels
+from engine.ops.quant import Linear, compute_dtype
+
+
+def gated_qkv(t: dict, p: str, c: ModelConfig, dtype: str) -> Linear:
+    """A gated layer's q_proj holds, per head, its query rows then its gate rows; fused here as
+    [q of every head; k; v; gate of every head], so that q and k sit side by side as the ungated
+    layer's do."""
+    q_and_gate = t[p + "q_proj.weight"]
+    rows = torch.arange(2 * c.q_size).view(c.num_heads, 2, c.head_dim)
+    q, gate = (blocks.take_rows(q_and_gate, rows[:, i].flatten()) for i in (0, 1))
+    return Linear(blocks.cat_rows([q, t[p + "k_proj.weight"], t[p + "v_proj.weight"], gate]), None, dtype, parts=3)
+
+
+class Attention(nn.Module):
+    def __init__(self, c: ModelConfig, t: dict, p: str, dtype: str, spec: LayerSpec):
+        super().__init__()
+        self.spec = spec
+        self.gated = c.attn_output_gate
+        self.qkv_proj = gated_qkv(t, p, c, dtype) if self.gated else \
+            fused_linear(t, p[:-len("self_attn.")], "self_attn.qkv_proj", c.attention_bias, dtype)
+        self.o_proj = Linear(t[p + "o_proj.weight"], None, dtype)
+        cdt = compute_dtype(dtype)
+        self.q_norm = RMSNorm(t[p + "q_norm.weight"], c.rms_norm_eps, cdt) if c.qk_norm else None
+        self.k_norm = RMSNorm(t[p + "k_norm.weight"], c.rms_norm_eps, cdt) if c.qk_norm else None
+        self.heads, self.kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
+        self.partial_rotary = c.rotary_dim < c.head_dim
+        self.group = c.num_heads // c.num_kv_heads
+
+    def forward(self, x, batch: ForwardBatch, cos, sin, cache: KVCache, layer: int) -> torch.Tensor:
+        n, heads = x.shape[0], self.heads
+        qkv = self.qkv_proj(x).view(n, -1, self.head_dim)  # q, k, v heads (and the gates)
+        qk = qkv[:, :heads + self.kv_heads]
+        if self.q_norm is not None:
+            qk = torch.cat([self.q_norm(qk[:, :heads]), self.k_norm(qk[:, heads:])], dim=1)
+        qk = rotate(qk, cos, sin)  # q and k in one pass
+        q, k, v = qk[:, :heads], qk[:, heads:], qkv[:, heads + self.kv_heads:heads + 2 * self.kv_heads]
+        out = torch.empty_like(q)
+        # Rows of one token of a dense layer go through one kernel call when the cache holds floats
+        # of q's dtype or q8_0; the others (prompt chunks, verify rows, QSA layers) attend row by row.
+        store = cache.kernel_view(layer, q.dtype) if kernels.usable(q) and len(batch.decode_index) \
+            and not self.spec.is_qsa else None
+        if store is not None:
+            i, slots, positions = batch.decode_index, batch.decode_slots, batch.decode_positions
+            if len(i) == n:  # every row decodes: views, not gathers
+                i = slice(None)
+            cache.write_tokens(layer, slots, positions, k[i], v[i])
+            out[i] = kernels.decode_attention(q[i], store.k, store.v, slots, positions + 1, self.head_dim ** -0.5,
+                                              pages=store.pages, k_scale=store.k_scale, v_scale=store.v_scale)
+        cache_dtype = cache.k[layer].dtype
+        offset = 0
+        for row, mask in zip(batch.rows, batch.masks):
+            t = len(row.tokens)
+            sl = slice(offset, offset + t)
+            offset += t
+            if t == 1 and store is not None:
+                continue
+            cache.write(layer, row.slot, row.start, k[sl].transpose(0, 1).to(cache_dtype),
+                        v[sl].transpose(0, 1).to(cache_dtype))
+            keys, values = cache.read(layer, row.slot, row.start + t)
+            if self.spec.is_qsa:
+                pool = cache.read_pool(layer, row.slot, (row.start + t) // self.spec.ratio)
+                keys, values, mask = qsa.sparse_keys(q[sl], keys, values, pool, batch.rope[sl], self.spec, mask)
+            out[sl] = self._attend(q[sl], keys.to(q.dtype), values.to(q.dtype), mask)
+        if batch.probes is not None:
+            self._probe(q, k, batch, cache, layer)
+        if self.gated:
+            out = out * torch.sigmoid(qkv[:, heads + 2 * self.kv_heads:])
+        return self.o_proj(out.view(n, heads * self.head_dim))
+
+    def _probe(self, q, k, batch: ForwardBatch, cache: KVCache, layer: int) -> None:
+        """Hand the probed rows' q and k, and the keys they attended, to their probes when this
+        layer is one of theirs."""
+        offset = 0
+        for row, probe in zip(batch.rows, batch.probes):
+            t = len(row.tokens)
+            if probe is not None and layer in probe.layers:
+                end = row.start + t
+                keys = cache.read(layer, row.slot, end)[0].to(q.dtype)
+                kpool = cache.read_pool(layer, row.slot, end // self.spec.ratio) if self.spec.is_qsa else None
+                probe.take(layer, row.start, q[offset:offset + t], k[offset:offset + t], keys, self.spec, kpool)
+            offset += t
+
+    def _attend(self, q, keys, values, mask) -> torch.Tensor:
+        # Grouped-query attention without repeating K/V: the `group` query heads that share a kv
+        # head are stacked along the query axis. q: [T, heads, d] -> [kv_heads, group*T, d].
+        t = q.shape[0]
+        qg = q.view(t, self.kv_heads, self.group, self.head_dim).permute(1, 2, 0, 3)
+        qg = qg.reshape(self.kv_heads, self.group * t, self.head_dim)
+        if mask is not None:
+            mask = mask.repeat(self.group, 1)
+        # A leading batch axis: with 3-d inputs torch takes its slower reference path.
+        o = F.scaled_dot_product_attention(qg[None], keys[None], values[None], attn_mask=mask)
+        # [1, kv_heads, group*T, d] -> [T, heads, d]
+        return o.view(self.kv_heads, self.group, t, self.head_dim).permute(2, 0, 1, 3).reshape(t, self.heads, self.head_dim)

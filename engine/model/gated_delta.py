@@ -1,0 +1,140 @@
+"""Gated DeltaNet: the linear-attention layer of the Qwen3.5 family (docs/architecture.md,
+"Gated DeltaNet"), as transformers' Qwen3_5GatedDeltaNet computes it.
+
+Per token t, from x_t: qkv = in_proj_qkv x (then a causal depthwise convolution over the last
+conv_kernel tokens' qkv, and SiLU), z = in_proj_z x, beta = sigmoid(in_proj_b x), and the decay
+g = A * softplus(in_proj_a x + dt_bias), with A = -exp(A_log). q and k are L2-normed per head and
+q scaled by k_dim^-1/2; each value head reads one key head. The state S [k_dim, v_dim] of each
+value head follows the delta rule:
+
+    S <- exp(g) S;   S <- S + k (beta (v - S^T k))^T;   o = S^T q
+
+and the head's output is RMSNorm(o) * w * silu(z), then out_proj over all heads.
+
+A row of a few tokens (decode, verify) runs the rule token by token and keeps the state after each
+position (engine/model/recurrent_cache.py); a longer prompt chunk runs it in chunks of 64 with the
+intra-chunk part as matrix products (the WY form transformers' torch_chunk_gated_delta_rule uses)
+and keeps only its last position's state.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.files.model_config import ModelConfig
+from engine.model.batch import ForwardBatch
+from engine.model.norm import GatedRMSNorm
+from engine.model.recurrent_cache import RecurrentCache
+from engine.ops import blocks
+from engine.ops.quant import Linear
+
+CHUNK = 64
+L2_EPS = 1e-6  # the reference's l2norm epsilon, fixed whatever rms_norm_eps is
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, c: ModelConfig, t: dict, p: str, dtype: str):
+        """p: the layer's `linear_attn.` prefix; tensors as engine/files/qwen3_5_layout.py reads them."""
+        super().__init__()
+        lin = self.linear = c.linear
+        # One projection for qkv, z, b and a: they read the same input.
+        self.in_proj = Linear(blocks.cat_rows([t[p + n + ".weight"] for n in ("in_proj_qkv", "in_proj_z",
+                                                                           "in_proj_b", "in_proj_a")]),
+                              None, dtype, parts=4)
+        self.splits = [lin.conv_dim, lin.value_dim, lin.num_v_heads, lin.num_v_heads]
+        self.register_buffer("conv_weight", t[p + "conv1d.weight"].float().contiguous())  # [conv_dim, kernel]
+        self.register_buffer("A", t[p + "A"].float())  # -exp(A_log), [v_heads]
+        self.register_buffer("dt_bias", t[p + "dt_bias"].float())
+        self.norm = GatedRMSNorm(t[p + "norm.weight"], c.rms_norm_eps)
+        self.out_proj = Linear(t[p + "out_proj.weight"], None, dtype)
+        # The key head each value head reads.
+        group = lin.num_v_heads // lin.num_k_heads
+        heads = torch.arange(lin.num_v_heads)
+        self.register_buffer("k_head", heads % lin.num_k_heads if lin.tiled_v_heads else heads // group)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: RecurrentCache, layer: int) -> torch.Tensor:
+        """x [N, hidden] -> [N, hidden]; reads and writes the layer's state of each row's slot."""
+        lin, n = self.linear, x.shape[0]
+        mixed, z, b, a = self.in_proj(x).float().split(self.splits, dim=-1)
+        beta = torch.sigmoid(b)
+        g = self.A * F.softplus(a + self.dt_bias)  # [N, v_heads], <= 0
+        core = torch.empty(n, lin.num_v_heads, lin.v_head_dim)
+        offset = 0
+        for row in batch.rows:
+            t = len(row.tokens)
+            rows = slice(offset, offset + t)
+            offset += t
+            core[rows] = self._row(mixed[rows], g[rows], beta[rows], cache, layer, row.slot, row.start)
+        out = self.norm(core, z.view(n, lin.num_v_heads, lin.v_head_dim))
+        return self.out_proj(out.view(n, lin.value_dim).to(x.dtype))
+
+    def _row(self, mixed, g, beta, cache: RecurrentCache, layer: int, slot: int, start: int) -> torch.Tensor:
+        """One row's tokens at positions start.. of the slot: mixed [T, conv_dim], g, beta [T, v_heads]
+        -> the delta rule's outputs [T, v_heads, v_dim], the slot's states written."""
+        lin, t = self.linear, mixed.shape[0]
+        tail, state = cache.read(layer, slot, start)
+        window = torch.cat([tail, mixed])  # [kernel-1 + T, conv_dim]: the inputs each output reads
+        k = lin.conv_kernel
+        conv = sum(window[i:i + t] * self.conv_weight[:, i] for i in range(k))
+        q, key, v = F.silu(conv).split([lin.key_dim, lin.key_dim, lin.value_dim], dim=-1)
+        q = _l2norm(q.view(t, lin.num_k_heads, lin.k_head_dim))[:, self.k_head] * lin.k_head_dim ** -0.5
+        key = _l2norm(key.view(t, lin.num_k_heads, lin.k_head_dim))[:, self.k_head]
+        v = v.view(t, lin.num_v_heads, lin.v_head_dim)
+        if cache.per_token(t):
+            out = torch.empty(t, lin.num_v_heads, lin.v_head_dim)
+            for i in range(t):
+                state = _step(state, q[i], key[i], v[i], g[i], beta[i])
+                out[i] = torch.einsum("hk,hkv->hv", q[i], state)
+                cache.write(layer, slot, start + i, window[i + 1:i + k], state)
+            return out
+        out, state = chunked_delta_rule(q.transpose(0, 1), key.transpose(0, 1), v.transpose(0, 1), g.t(), beta.t(),
+                                        state)
+        cache.write(layer, slot, start + t - 1, window[t:], state)
+        return out.transpose(0, 1)
+
+
+def _l2norm(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + L2_EPS)
+
+
+def _step(state, q, k, v, g, beta) -> torch.Tensor:
+    """One token of the delta rule for every value head: state [H, k_dim, v_dim]; q, k [H, k_dim];
+    v [H, v_dim]; g, beta [H]. Returns the new state (q is read by the caller)."""
+    state = state * g.exp()[:, None, None]
+    delta = (v - torch.einsum("hk,hkv->hv", k, state)) * beta[:, None]
+    return state + k[:, :, None] * delta[:, None, :]
+
+
+def chunked_delta_rule(q, k, v, g, beta, state, chunk: int = CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
+    """The delta rule over T tokens at once: q, k [H, T, k_dim] (normed, q scaled), v [H, T, v_dim],
+    g, beta [H, T], state [H, k_dim, v_dim] before them -> (outputs [H, T, v_dim], the state after).
+
+    Within a chunk of C tokens, with G_i the decay summed from the chunk's start to i and D the
+    lower-triangular [C, C] matrix exp(G_i - G_j) (j <= i): the corrections u_i = beta_i (v_i -
+    S_{i-1}^T k_i) solve (I + L) u = beta v - (beta k exp(G)) S_0, L the strictly lower part of
+    (beta k k^T) * D; then o = (q exp(G)) S_0 + ((q k^T) * D) u, and the state after the chunk is
+    exp(G_C) S_0 + (k exp(G_C - G))^T u."""
+    h, t, dk = k.shape
+    pad = (-t) % chunk
+    q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
+    g, beta = (F.pad(x, (0, pad)) for x in (g, beta))
+    n = (t + pad) // chunk
+    q, k, v = (x.reshape(h, n, chunk, x.shape[-1]) for x in (q, k, v))
+    g, beta = g.reshape(h, n, chunk).cumsum(-1), beta.reshape(h, n, chunk)
+    kb, vb = k * beta[..., None], v * beta[..., None]
+    causal = torch.ones(chunk, chunk, dtype=torch.bool).tril()
+    decay = (g[..., :, None] - g[..., None, :]).masked_fill(~causal, float("-inf")).exp()  # [H, n, C, C]
+    system = (kb @ k.transpose(-1, -2)) * decay
+    u = torch.linalg.solve_triangular(system, vb, upper=False, unitriangular=True)
+    w = torch.linalg.solve_triangular(system, kb * g.exp()[..., None], upper=False, unitriangular=True)
+    attn = (q @ k.transpose(-1, -2)) * decay
+    qd = q * g.exp()[..., None]
+    kd = k * (g[..., -1:] - g).exp()[..., None]
+    last = g[..., -1].exp()  # [H, n]
+    out = torch.empty_like(v)
+    for i in range(n):
+        correction = u[:, i] - w[:, i] @ state
+        out[:, i] = qd[:, i] @ state + attn[:, i] @ correction
+        state = state * last[:, i, None, None] + kd[:, i].transpose(-1, -2) @ correction
+    return out.reshape(h, n * chunk, -1)[:, :t], state
