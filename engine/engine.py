@@ -240,6 +240,7 @@ class Engine:
         """What row i of the step gives its request; the span the drafter should see, if any."""
         req, tokens, at = p.request, p.row.tokens, out.firsts[i]
         kept = None  # the row's tokens committed, by index, where they are not its first ones
+        start = out.starts[i]
         if p.decodes:
             draft, req.draft = req.draft, Draft()
             verdict = verify(draft, out.logits[at:at + len(tokens)], req.params, req.token_ids, req.generator,
@@ -251,18 +252,27 @@ class Engine:
                 kept = torch.tensor(verdict.rows)
                 self.stats.siblings_kept += 1
                 self.scheduler.kv.move(req.slot, p.row.start + verdict.rows[-1], p.row.start + verdict.accepted)
-            self.scheduler.commit(req, [tokens[r] for r in verdict.rows])
+            self.scheduler.commit(req, [tokens[r] for r in verdict.rows],
+                                  self._hidden_kept(out, [start + r for r in verdict.rows]))
             self._emit(req, verdict.tokens, out.logits, [at + r for r in verdict.rows], out.now)
         else:
-            self.scheduler.commit(req, tokens)
+            self.scheduler.commit(req, tokens, self._hidden_kept(out, [start + len(tokens) - 1]))
             if p.samples:
                 self._emit(req, [choose(out.logits[at], req.params, req.token_ids, req.generator, req.constraint)],
                            out.logits, [at], out.now)
         if self.drafting is None or req.status is not Status.RUNNING:
             return None
-        start = out.starts[i]
         hidden = out.hidden[start:start + req.num_computed - p.row.start] if kept is None else out.hidden[start + kept]
-        return Span(req, p.row.start, req.num_computed, hidden, room=self.config.ctx_per_slot - req.num_computed - 1)
+        # A draft fits the slot's room, and stops where the answer must (a verify step emits its
+        # kept drafts and one token more), as llama-server caps it by n_predict.
+        room = min(self.config.ctx_per_slot - req.num_computed - 1, req.params.max_tokens - req.n_output - 1)
+        return Span(req, p.row.start, req.num_computed, hidden, room=room)
+
+    def _hidden_kept(self, out: StepResult, tokens: list[int]) -> torch.Tensor | None:
+        """The hidden states at the step's `tokens` (a row's committed ones, or a prompt chunk's last),
+        where the scheduler keeps them for a snapshot (Scheduler.keep_hidden); a copy, not a view of
+        the whole step's."""
+        return out.hidden[torch.tensor(tokens)] if self.scheduler.keep_hidden else None
 
     def _emit(self, req: Request, tokens: list[int], logits: torch.Tensor, rows: list[int], now: float) -> None:
         """Append the step's tokens to the request up to a stop, then deliver them; logits[rows[j]]

@@ -16,9 +16,10 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from engine.errors import ConfigError
-from engine.files.model_config import ModelConfig
+from engine.files.model_config import ModelConfig, recurrent_state_bytes
 from engine.model.kv_cache import KV_BYTES_PER_VALUE
 from engine.model.mtp import MTPDraft
+from engine.model.recurrent_cache import SNAPSHOTS
 from engine.ops.blocks import GGUF_TYPES
 from engine.ops.quant import BYTES_PER_WEIGHT, compute_dtype
 from engine.placement import Placement
@@ -38,15 +39,35 @@ class DeviceNeed:
         return self.weights + self.kv
 
 
-def layer_weight_bytes(c: ModelConfig, dtype: str) -> int:
-    """One decoder layer's weights: the linear ones in the weight format (int8 with an f32 scale
-    per output channel), the norms in the compute dtype."""
-    embeddings = c.vocab_size * c.hidden_size * (1 if c.tie_word_embeddings else 2)
-    per_layer = (c.num_parameters() - embeddings - c.hidden_size) // c.num_layers
-    norms = 2 * c.hidden_size + (2 * c.head_dim if c.qk_norm else 0)
-    outputs = c.q_size + 2 * c.kv_size + c.hidden_size + 2 * c.intermediate_size + c.hidden_size
-    return (per_layer - norms) * BYTES_PER_WEIGHT[dtype] + norms * compute_dtype(dtype).itemsize \
-        + (4 * outputs if dtype == "int8" else 0)
+def layer_weight_bytes(c: ModelConfig, dtype: str, layer: int = 0) -> int:
+    """Decoder layer `layer`'s weights (an attention layer's for an MTP layer's block, at
+    num_layers and after): the matrices and biases in the weight format (int8 with an f32 scale per
+    output channel), the norms in the compute dtype, a linear-attention layer's convolution, decay
+    parameters and gated norm in f32."""
+    h, i, q, kv = c.hidden_size, c.intermediate_size, c.q_size, c.kv_size
+    rows = [2 * i, h]  # the MLP's gate_up and down matrices' output channels, each reading h or i
+    weights = 3 * h * i + ((2 * i + h) if c.mlp_bias else 0)
+    norms, f32 = 2 * h, 0
+    if layer < c.num_layers and c.is_recurrent(layer):
+        lin = c.linear
+        projected = lin.conv_dim + lin.value_dim + 2 * lin.num_v_heads  # qkv, z, b and a in one matrix
+        rows += [projected, h]
+        weights += projected * h + h * lin.value_dim
+        # The convolution, A, dt_bias and the gated norm in f32; each value head's key head, an int64.
+        f32 = lin.conv_dim * lin.conv_kernel + 2 * lin.num_v_heads + lin.v_head_dim + 2 * lin.num_v_heads
+    else:
+        q_out = 2 * q if c.attn_output_gate else q
+        rows += [q_out + 2 * kv, h]
+        weights += (q_out + 2 * kv) * h + q * h + (q + 2 * kv if c.attention_bias else 0)
+        norms += 2 * c.head_dim if c.qk_norm else 0
+    return weights * BYTES_PER_WEIGHT[dtype] + norms * compute_dtype(dtype).itemsize + 4 * f32 \
+        + (4 * sum(rows) if dtype == "int8" else 0)
+
+
+def state_bytes(c: ModelConfig, steps: int) -> int:
+    """One slot's recurrent state in every linear-attention layer: `steps` positions' and the
+    snapshots' (engine/model/recurrent_cache.py)."""
+    return recurrent_state_bytes(c) * (steps + SNAPSHOTS)
 
 
 def table_bytes(c: ModelConfig, dtype: str) -> int:
@@ -78,9 +99,12 @@ def device_needs(config: EngineConfig, model: ModelConfig, placement: Placement,
     dtype = estimated_format(config.dtype, stored or {})
     needs = {device: DeviceNeed() for device in (*placement.devices, placement.draft_device)}
     positions = config.ctx_per_slot * (1 if config.kv_unified else config.parallel)
-    for device, ratio in zip(placement.layer_devices(), model.layer_ratios):
-        needs[device].weights += layer_weight_bytes(model, dtype)
-        needs[device].kv += layer_kv_bytes(model, ratio, positions, config.kv_types)
+    for layer, (device, ratio) in enumerate(zip(placement.layer_devices(), model.layer_ratios)):
+        needs[device].weights += layer_weight_bytes(model, dtype, layer)
+        if model.is_recurrent(layer):
+            needs[device].kv += state_bytes(model, config.state_steps) // model.recurrent_layers * config.parallel
+        else:
+            needs[device].kv += layer_kv_bytes(model, ratio, positions, config.kv_types)
     first, last = placement.devices[0], placement.devices[-1]
     needs[last].weights += table_bytes(model, dtype)  # the lm_head
     embed_bytes = table_bytes(model, dtype) if model.tie_word_embeddings else \
@@ -91,16 +115,24 @@ def device_needs(config: EngineConfig, model: ModelConfig, placement: Placement,
     # A draft's cache is per slot, in the compute dtype.
     draft_positions = config.ctx_per_slot * config.parallel
     draft_kv = ("bf16", "bf16") if compute_dtype(dtype) == torch.bfloat16 else ("f32", "f32")
-    if spec is not None and spec.runs_mtp:
+    if spec is not None and spec.runs_mtp and draft.nextn is not None:  # the model's own MTP layers
+        layers = model.num_nextn_predict_layers
+        h = model.hidden_size  # its projection of [embedding; hidden] and three norms beside the blocks
+        need.weights += layers * layer_weight_bytes(model, dtype, model.num_layers) \
+            + 2 * h * h * BYTES_PER_WEIGHT[dtype] + (4 * h if dtype == "int8" else 0) \
+            + 3 * h * compute_dtype(dtype).itemsize
+        need.kv += layers * layer_kv_bytes(model, 0, draft_positions + config.parallel, draft_kv)
+    elif spec is not None and spec.runs_mtp:
         need.weights += os.path.getsize(spec.draft_model)
         need.kv += len(draft.ratios) * layer_kv_bytes(model, 0, draft_positions, draft_kv)
-        if placement.draft_device != first:  # its own embedding copy
-            need.weights += embed_bytes
+    if spec is not None and spec.runs_mtp and placement.draft_device != first:  # its own embedding copy
+        need.weights += embed_bytes
     elif spec is not None and spec.type == "draft-simple":
         small = draft.model.config
-        need.weights += small.num_layers * layer_weight_bytes(small, dtype) \
+        need.weights += sum(layer_weight_bytes(small, dtype, i) for i in range(small.num_layers)) \
             + table_bytes(small, dtype) * (1 if small.tie_word_embeddings else 2)
-        need.kv += small.num_layers * layer_kv_bytes(small, 0, draft_positions, draft_kv)
+        need.kv += (small.num_layers - small.recurrent_layers) * layer_kv_bytes(small, 0, draft_positions, draft_kv) \
+            + state_bytes(small, spec.n_max + 2) * config.parallel
     return {d: n for d, n in needs.items() if n.total}
 
 
@@ -185,6 +217,10 @@ def measure(model, cache, draft_device: str | None = None, draft_model=None, dra
     for part in filter(None, (cache, draft_cache)):
         for layer, device in enumerate(part.devices):
             at(device).kv_bytes += part.layer_nbytes(layer)
+        if part.recurrent is not None:
+            for tensors in zip(part.recurrent.conv, part.recurrent.state, part.recurrent.snap_conv,
+                               part.recurrent.snap_state):
+                at(tensors[0].device).kv_bytes += sum(t.nbytes for t in tensors)
     # Copies of the target's embedding table: its own, a tied lm_head, a detached draft's.
     tables = [model.embed, model.lm_head if model.config.tie_word_embeddings else None,
               draft_model.embed if isinstance(draft_model, MTPDraft) else None]

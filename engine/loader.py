@@ -71,7 +71,7 @@ def load_parts(config: EngineConfig, headers: Headers, rank: Rank | None, descri
         here = model.stages[0].device == torch.device(placement.draft_device)
         drafter = load_drafter(config.spec, headers.draft, mc, tensors, config.dtype, config.parallel,
                                config.ctx_per_slot, headers.draft_ratios, placement.draft_device,
-                               model.embed_tokens if here else None)
+                               model.embed_tokens if here else None, model.logits)
     del tensors
     log.info("loaded %s (%s, %s) in %.1f s", files.path, mc.family, config.dtype, time.perf_counter() - t0)
     formats = model.weight_formats()
@@ -79,7 +79,8 @@ def load_parts(config: EngineConfig, headers: Headers, rank: Rank | None, descri
     cache = cache_for(config, mc, model.specs, placement.layer_devices())
     slots = f"1 unified pool of {cache.capacity} positions for {config.parallel} slots" if config.kv_unified \
         else f"{config.parallel} slots x {config.ctx_per_slot} ctx"
-    log.info("KV cache: %s", describe_cache(model.specs, slots, cache.nbytes, cache.kpool_nbytes))
+    log.info("KV cache: %s", describe_cache(model.specs, slots, cache.nbytes, cache.kpool_nbytes,
+                                            cache.recurrent_nbytes, config.state_steps))
     resident = drafter.resident() if drafter is not None else None
     if resident is not None:  # a draft model, placed on its device
         devices = measure(model, cache, placement.draft_device, *resident)
@@ -104,10 +105,15 @@ def load_parts(config: EngineConfig, headers: Headers, rank: Rank | None, descri
         log.info("the draft (%s) runs on rank %d, on its %s", config.spec.type, rank.world - 1, placement.draft_device)
         drafter = RemoteDrafter(DraftLink(rank.world - 1, mc.hidden_size, model.compute_dtype), config.spec,
                                 mc.vocab_size, config.pipeline_timeout, describe_loss)
-    margin = 1 if drafter is not None and drafter.needs_hidden else 0
+    # A drafter that pairs the hidden state at position i with the token at i+1 needs, where a
+    # request resumes a cached prefix, the hidden state before it: K/V can recompute that position
+    # (a reuse margin of one), a recurrent state cannot step back, so its snapshots keep it.
+    pairs = drafter is not None and drafter.needs_hidden
     scheduler = Scheduler(config.parallel, config.ctx_per_slot, config.batch_size, config.ubatch_size,
                           MirroredCache(cache, remote.queued) if remote is not None else cache,
-                          reuse_margin=margin, draft_max=config.spec.verify_rows if config.spec else 0)
+                          reuse_margin=int(pairs and cache.recurrent is None),
+                          draft_max=config.spec.verify_rows if config.spec else 0,
+                          keep_hidden=pairs and cache.recurrent is not None)
     return Parts(files, model, tokenizer, cache, scheduler, frozenset(eos), drafter, devices, remote,
                  headers.placement, {fmt: use.tensors for fmt, use in formats.items()})
 

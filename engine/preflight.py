@@ -10,10 +10,11 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from engine.errors import ConfigError
-from engine.files.model_config import ModelConfig, with_compression
+from engine.files.model_config import LINEAR_ATTENTION, ModelConfig, with_compression
 from engine.files.weights import ModelFiles, open_model
 from engine.footprint import check_devices, check_fit
 from engine.model.layer_spec import LayerSpec
+from engine.model.recurrent_cache import SNAPSHOTS
 from engine.placement import Placement
 from engine.settings import PAGE_SIZE, EngineConfig
 from engine.spec.loading import DraftFiles, check_draft_files
@@ -33,7 +34,10 @@ def read_headers(config: EngineConfig) -> Headers:
     """Raises ConfigError naming field, value and rule, for values the user gave; a default that
     cannot stand beside them yields instead (Headers.config, which says so in `adapted`)."""
     files = open_model(config.model)
-    draft = check_draft_files(config.spec, files.config) if config.spec is not None else None
+    draft = check_draft_files(config.spec, files.config, files) if config.spec is not None else None
+    if config.spec is not None and config.spec.width > 1 and files.config.recurrent_layers:
+        raise ConfigError(f"spec_draft_width={config.spec.width}: must be 1 on a model with {LINEAR_ATTENTION} "
+                          "(recurrent) layers: a tree's siblings would each need a recurrent state of their own")
     model, draft_ratios = with_compression(files.config, config.compress_ratios, config.qsa_budget,
                                            draft.ratios if draft is not None else ())
     page = PAGE_SIZE
@@ -62,11 +66,16 @@ def read_headers(config: EngineConfig) -> Headers:
     return Headers(config, files, model, draft, draft_ratios, placement)
 
 
-def describe_cache(specs: list[LayerSpec], slots: str, kv_bytes: int, kpool_bytes: int) -> str:
-    """The load log's line, e.g. `30 layers (23 dense, 7 qsa r=4) x 2 slots x 4096 ctx = 360 MiB, kpool 6 MiB`."""
+def describe_cache(specs: list[LayerSpec], slots: str, kv_bytes: int, kpool_bytes: int, state_bytes: int = 0,
+                   steps: int = 0) -> str:
+    """The load log's line, e.g. `30 layers (23 dense, 7 qsa r=4) x 2 slots x 4096 ctx = 360 MiB, kpool 6 MiB`,
+    or for a hybrid model `24 layers (18 recurrent, 6 dense) x ... = 96 MiB, recurrent state 300 MiB
+    (4 positions + 2 snapshots per slot)`."""
     kinds: dict[str, int] = {}
     for spec in specs:
         kinds[spec.describe()] = kinds.get(spec.describe(), 0) + 1
     mix = ", ".join(f"{n} {kind}" for kind, n in kinds.items())
     pool = f", kpool {kpool_bytes / 2**20:.0f} MiB" if kpool_bytes else ""
-    return f"{len(specs)} layers ({mix}) x {slots} = {kv_bytes / 2**20:.0f} MiB{pool}"
+    state = f", recurrent state {state_bytes / 2**20:.0f} MiB ({steps} position{'s' if steps > 1 else ''} + " \
+            f"{SNAPSHOTS} snapshots per slot)" if state_bytes else ""
+    return f"{len(specs)} layers ({mix}) x {slots} = {kv_bytes / 2**20:.0f} MiB{pool}{state}"

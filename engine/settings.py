@@ -113,7 +113,8 @@ class SpecConfig:
              "must be 1 with spec_type=ngram-simple: siblings come from a draft model's distribution"),
             (0 <= self.p_sibling <= 1 and not math.isnan(self.p_sibling), "spec_draft_p_sibling", self.p_sibling,
              "must be in [0, 1]"),
-            (self.type == "ngram-simple" or self.draft_model, "spec_draft_model", self.draft_model,
+            # An MTP draft may be the model's own MTP layers (engine/preflight.py checks it has them).
+            (self.type == "ngram-simple" or self.runs_mtp or self.draft_model, "spec_draft_model", self.draft_model,
              f"is required with spec_type={self.type}"),
         ])
 

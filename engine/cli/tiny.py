@@ -97,6 +97,12 @@ def random_tensors(shapes: dict[str, tuple[int, ...]], seed: int) -> dict[str, t
             out[name] = 1.0 + NORM_NOISE * noise
         else:
             out[name] = WEIGHT_STD * noise
+    if "mtp.fc.weight" in out:
+        # The MTP layer's projection passes the token's embedding on (plus noise): its drafts repeat
+        # the token they read, which a random model's greedy loops make right often enough that
+        # verification keeps drafts and rejects others.
+        h = out["mtp.fc.weight"].shape[0]
+        out["mtp.fc.weight"][:, :h] += torch.eye(h)
     return out
 
 

@@ -143,7 +143,7 @@ class ModelFiles:
 
     def load_mtp(self, keep_blocks: bool = False) -> dict[str, torch.Tensor | BlockTensor]:
         """The model's own MTP layers' tensors, as load_tensors reads the trunk's."""
-        return self._load(self.mtp_shapes(), keep_blocks)
+        return self.read(self.mtp_shapes(), keep_blocks)
 
     def load_tensors(self, layers: range | None = None, ends: bool = True,
                      keep_blocks: bool = False) -> dict[str, torch.Tensor | BlockTensor]:
@@ -156,9 +156,10 @@ class ModelFiles:
             own = tuple(f"model.layers.{i}." for i in layers)
             names = {n: shape for n, shape in names.items()
                      if n.startswith(own) or (ends and not n.startswith("model.layers."))}
-        return self._load(names, keep_blocks)
+        return self.read(names, keep_blocks)
 
-    def _load(self, names: dict[str, tuple[int, ...]], keep_blocks: bool) -> dict[str, torch.Tensor | BlockTensor]:
+    def read(self, names: dict[str, tuple[int, ...]], keep_blocks: bool = False) -> dict[str, torch.Tensor | BlockTensor]:
+        """The named tensors (with their expected shapes), as load_tensors reads them."""
         if self.format == "hf":
             return _load_safetensors(self.path, names, self.config.family)
         return _load_gguf(self.gguf_tensors, self.config, names, keep_blocks)

@@ -26,7 +26,7 @@ from engine.files.model_config import ModelConfig
 from engine.model.batch import ForwardBatch
 from engine.model.norm import GatedRMSNorm
 from engine.model.recurrent_cache import RecurrentCache
-from engine.ops import blocks
+from engine.ops import blocks, kernels
 from engine.ops.quant import Linear
 
 CHUNK = 64
@@ -56,16 +56,29 @@ class GatedDeltaNet(nn.Module):
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: RecurrentCache, layer: int) -> torch.Tensor:
         """x [N, hidden] -> [N, hidden]; reads and writes the layer's state of each row's slot."""
         lin, n = self.linear, x.shape[0]
-        mixed, z, b, a = self.in_proj(x).float().split(self.splits, dim=-1)
+        proj = self.in_proj(x).float()
+        mixed, z, b, a = proj.split(self.splits, dim=-1)
         beta = torch.sigmoid(b)
         g = self.A * F.softplus(a + self.dt_bias)  # [N, v_heads], <= 0
         core = torch.empty(n, lin.num_v_heads, lin.v_head_dim)
-        offset = 0
+        # Rows of a few tokens (decode, verify) run the rule token by token, in one kernel call
+        # where it is usable; longer rows (prompt chunks) in chunks, row by row.
+        kernel = kernels.usable(x) and len(batch.slots) == n
+        stepped, offset = [], 0
         for row in batch.rows:
             t = len(row.tokens)
             rows = slice(offset, offset + t)
             offset += t
-            core[rows] = self._row(mixed[rows], g[rows], beta[rows], cache, layer, row.slot, row.start)
+            if kernel and cache.per_token(t):
+                stepped.append(torch.arange(rows.start, rows.stop))
+            else:
+                core[rows] = self._row(mixed[rows], g[rows], beta[rows], cache, layer, row.slot, row.start)
+        if stepped:
+            i = torch.cat(stepped) if len(stepped) < len(batch.rows) else slice(None)
+            j = cache.layers[layer]
+            core[i] = kernels.gated_delta_rows(proj[i], lin.key_dim, self.conv_weight, self.A, self.dt_bias,
+                                               self.k_head, cache.conv[j], cache.state[j], batch.slots[i],
+                                               batch.positions[i])
         out = self.norm(core, z.view(n, lin.num_v_heads, lin.v_head_dim))
         return self.out_proj(out.view(n, lin.value_dim).to(x.dtype))
 

@@ -148,6 +148,10 @@ class _Stores:
         if self.recurrent is not None:
             self.recurrent.checkpoint(slot, length, hidden)
 
+    def snapshot_hidden(self, slot: int, length: int):
+        """The target's hidden state at position length-1 a recurrent model's snapshot kept, or None."""
+        return None if self.recurrent is None else self.recurrent.snapshot_hidden(slot, length)
+
     def begin_rows(self, rows) -> None:
         """A forward is about to write the rows' positions (each a Row of engine/model/batch.py)."""
         if self.recurrent is not None:
@@ -188,7 +192,7 @@ class _Stores:
         return _nbytes(self.kpool)
 
     def layer_nbytes(self, layer: int) -> int:
-        """The layer's K, V and pooled keys."""
+        """The layer's K, V and pooled keys (a recurrent layer's states are the RecurrentCache's)."""
         return _nbytes([self.k[layer], self.v[layer], self.kpool[layer]])
 
 
@@ -450,13 +454,15 @@ def cache_for(config: EngineConfig, model: ModelConfig, specs: Sequence[LayerSpe
 
 
 def model_cache(model: ModelConfig, specs: Sequence[LayerSpec], slots: int, positions: int, steps: int = 1,
-                dtype: torch.dtype = torch.float32) -> KVCache:
-    """A per-slot cache on the CPU for a model's layers (`specs`): K/V for its attention layers, and
-    its recurrent layers' states (`steps` positions' per slot) when it has any. For building a
-    model's cache by hand, as tests and the draft trainer do."""
-    cache = KVCache(len(specs), slots, positions, model.num_kv_heads, model.head_dim, dtype, specs=specs)
+                dtype: torch.dtype = torch.float32, device: str = "cpu") -> KVCache:
+    """A per-slot cache on `device` for a model's layers (`specs`): K/V for its attention layers, and
+    its recurrent layers' states (`steps` positions' per slot) when it has any. For a draft model's
+    cache, and a model's built by hand (tests)."""
+    devices = [device] * len(specs)
+    cache = KVCache(len(specs), slots, positions, model.num_kv_heads, model.head_dim, dtype, specs=specs,
+                    devices=devices)
     if model.linear is not None:
-        cache.recurrent = recurrent_cache(model, specs, ["cpu"] * len(specs), slots, steps)
+        cache.recurrent = recurrent_cache(model, specs, devices, slots, steps)
     return cache
 
 

@@ -142,3 +142,14 @@ def decoder_layers(x: torch.Tensor, weights: list[torch.Tensor | None], k_cache:
     return _ops().decoder_layers(x, weights, k_cache, v_cache, k_scales, v_scales, kpools, ratios, budgets, slots,
                                  positions, cos, sin,
                                  heads, kv_heads, eps, rope_positions, pages)
+
+
+def gated_delta_rows(proj: torch.Tensor, key_dim: int, conv_weight: torch.Tensor, A: torch.Tensor,
+                     dt_bias: torch.Tensor, k_head: torch.Tensor, conv_store: torch.Tensor, state_store: torch.Tensor,
+                     slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """A Gated DeltaNet layer's rule token by token (engine/model/gated_delta.py): proj [N, C + Dv H +
+    2H] f32, its input projection [qkv | z | b | a]; token n at positions[n] of slot slots[n], a slot's
+    tokens in order; the layer's stores conv [S, R, K-1, C] and state [S, R, H, Dk, Dv], entry p % R
+    the state after position p (read at p - 1, written at p). -> [N, H, Dv], the rule's outputs."""
+    return _ops().gated_delta_rows(proj, key_dim, conv_weight, A, dt_bias, k_head, conv_store, state_store, slots,
+                                   positions)

@@ -46,6 +46,9 @@ class MirroredCache:
     def reusable(self, slot: int, length: int, with_hidden: bool = False) -> int:
         return self.cache.reusable(slot, length, with_hidden)
 
+    def snapshot_hidden(self, slot: int, length: int):
+        return self.cache.snapshot_hidden(slot, length)
+
 
 class RemoteStages(nn.Module):
     """Stages 1..N-1, on ranks 1..N-1, as the last stage of the head's model (no layers here; the

@@ -103,6 +103,9 @@ class Request:
     draft: Draft = field(default_factory=Draft, init=False)  # proposed for the next step's verification
     draft_n: int = field(default=0, init=False)
     draft_n_accepted: int = field(default=0, init=False)
+    # The target's hidden state at the position before its first computed one, where it resumed a
+    # recurrent model's snapshot (Scheduler.keep_hidden): what an MTP draft pairs with that token.
+    resume_hidden: torch.Tensor | None = field(default=None, init=False)
     probe_result: list[LayerProbe] | None = field(default=None, init=False)  # set when the prompt has run
     t_submitted: float = field(default_factory=time.perf_counter, init=False)
     t_started: float = field(default=0.0, init=False)

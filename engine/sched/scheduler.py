@@ -8,6 +8,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
+import torch
+
 from engine.model.batch import Row
 from engine.model.kv_cache import KVCache, PagedKVCache
 from engine.sched.request import Request
@@ -18,6 +20,14 @@ class Slot:
     id: int
     cached_ids: list[int]  # tokens whose K/V the slot holds, position by position
     request: Request | None = None
+    # The target's hidden states at the positions the last step committed, [n, H], the last at the
+    # last cached position, kept where a recurrent model's snapshot will keep one of them
+    # (Scheduler.keep_hidden): a drafter pairs it with the next token.
+    hidden: torch.Tensor | None = None
+
+    def hidden_at(self, position: int) -> torch.Tensor | None:
+        first = len(self.cached_ids) - (len(self.hidden) if self.hidden is not None else 0)
+        return self.hidden[position - first] if self.hidden is not None and first <= position else None
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -50,7 +60,8 @@ class StepPlan:
 
 class Scheduler:
     def __init__(self, num_slots: int, ctx_per_slot: int, batch_size: int, ubatch_size: int,
-                 kv: KVCache | PagedKVCache | None = None, reuse_margin: int = 0, draft_max: int = 0):
+                 kv: KVCache | PagedKVCache | None = None, reuse_margin: int = 0, draft_max: int = 0,
+                 keep_hidden: bool = False):
         self.slots = [Slot(i, []) for i in range(num_slots)]
         self.waiting: deque[Request] = deque()
         self.ctx_per_slot = ctx_per_slot
@@ -62,6 +73,11 @@ class Scheduler:
         # i pairs h_i with token i+1, so the last reused entry is stale unless h_i is recomputed.
         self.reuse_margin = reuse_margin
         self.draft_max = draft_max  # the most drafts a decode row verifies: room a resumed request needs
+        # A recurrent model's drafter that pairs hidden states with next tokens (MTP): its snapshots
+        # keep the target's hidden state at their last position, and a request resumes only from one
+        # that did, handed to it as `resume_hidden` (instead of a reuse margin: a recurrent state
+        # cannot step back one position).
+        self.keep_hidden = keep_hidden
 
     @property
     def running(self) -> list[Request]:
@@ -102,6 +118,8 @@ class Scheduler:
             reuse = common_prefix(slot.cached_ids, request.prefill_ids) if request.cache_prompt else 0
             # At least the last prompt token runs through the model: its logits give the first token.
             reuse = max(0, min(reuse, len(request.prefill_ids) - 1) - self.reuse_margin)
+            reuse = self.kv.reusable(slot.id, reuse, self.keep_hidden)  # a recurrent state's
+            request.resume_hidden = self.kv.snapshot_hidden(slot.id, reuse) if self.keep_hidden and reuse else None
             self._trim(slot, reuse)
             slot.request = request
             request.admit(slot.id, reuse, now)
@@ -179,16 +197,29 @@ class Scheduler:
         del slot.cached_ids[length:]
         self.kv.truncate(slot.id, length)
 
-    def commit(self, request: Request, tokens: list[int]) -> None:
-        """Record that `tokens` were written to the request's slot at num_computed onwards."""
+    def commit(self, request: Request, tokens: list[int], hidden: torch.Tensor | None = None) -> None:
+        """Record that `tokens` were written to the request's slot at num_computed onwards; hidden
+        [len(tokens), H]: the target's hidden states there (kept with keep_hidden). Where they end
+        the prompt, a recurrent model's state there is kept for a next request sharing the prompt."""
         slot = self.slots[request.slot]
+        prefilling = request.prefilling
         del slot.cached_ids[request.num_computed:]
         slot.cached_ids.extend(tokens)
         request.commit(len(tokens))
+        slot.hidden = hidden if self.keep_hidden else None
+        if prefilling and not request.prefilling:
+            self._checkpoint(slot, request.num_computed)
 
     def release(self, request: Request) -> None:
-        """Free the request's slot (its cache stays for prefix reuse) or drop it from the queue."""
+        """Free the request's slot (its cache stays for prefix reuse; a recurrent model keeps its
+        state where the request's tokens end, which a next turn's prompt repeats) or drop it from the queue."""
         if request.slot is not None and self.slots[request.slot].request is request:
-            self.slots[request.slot].request = None
+            slot = self.slots[request.slot]
+            slot.request = None
+            # Its last token was emitted, not computed; verified drafts past a stop were computed, not emitted.
+            self._checkpoint(slot, min(len(slot.cached_ids), len(request.token_ids) - 1))
         elif request in self.waiting:
             self.waiting.remove(request)
+
+    def _checkpoint(self, slot: Slot, length: int) -> None:
+        self.kv.checkpoint(slot.id, length, slot.hidden_at(length - 1) if self.keep_hidden else None)

@@ -404,3 +404,33 @@ def test_kernels_serve_plain_inference_only():
         with torch.autocast("cpu", dtype=torch.bfloat16):  # mixed dtypes: torch's ops follow autocast
             assert not kernels.usable()
     assert not kernels.usable()  # gradients wanted
+
+
+@pytest.mark.parametrize("steps", [1, 4])  # 1: the state updated in place; 4: a verify block's every position kept
+def test_gated_delta_rows_match_the_rule_token_by_token(steps):
+    from engine.files import qwen3_5_layout
+    from engine.files.config_readers import from_hf_dict
+    from engine.model.gated_delta import GatedDeltaNet
+    from engine.model.recurrent_cache import RecurrentCache
+    c = from_hf_dict(tiny_config("qwen3_5", linear_key_head_dim=32, linear_value_head_dim=48))
+    g = torch.Generator().manual_seed(0)
+    shapes = qwen3_5_layout.block_shapes(c, "", recurrent=True)
+    t = {n: torch.randn(s, generator=g) * (0.5 if n.endswith("conv1d.weight") else 0.2) for n, s in shapes.items()}
+    layer = GatedDeltaNet(c, t, "linear_attn.", "f32")
+    x = torch.randn(9, c.hidden_size, generator=g)
+    # Slot 1 from position 0; slot 0 resumes at 5 with a block of 4; slot 2 decodes one token at 7.
+    rows = [Row(1, 0, [0] * (steps if steps > 1 else 1)), Row(0, 5, [0] * steps), Row(2, 7, [0])]
+    x = x[:sum(len(r.tokens) for r in rows)]
+    caches = [RecurrentCache([0], 3, c.linear, steps, c.hidden_size) for _ in range(2)]
+    for cache in caches:  # the same earlier states to resume from
+        g.manual_seed(1)
+        for store in (cache.conv[0], cache.state[0]):
+            store.copy_(torch.randn(store.shape, generator=g))
+    batch = ForwardBatch.build(rows)
+    with torch.inference_mode():
+        fast = layer(x, batch, caches[0], 0)
+        hand_built = ForwardBatch(batch.rows, batch.token_ids, batch.positions, batch.masks)  # no slots: no kernel
+        slow = layer(x, hand_built, caches[1], 0)
+    torch.testing.assert_close(fast, slow, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(caches[0].state[0], caches[1].state[0], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(caches[0].conv[0], caches[1].conv[0])

@@ -75,11 +75,14 @@ def test_speculation_counters_in_props_slots_and_metrics(servers):
     assert [p for p, _ in ratios][:1] == ["0"] and all(0 <= float(v) <= 1 for _, v in ratios)
 
 
-def test_bad_speculation_flags_are_refused_before_loading(tmp_path):
+def test_bad_speculation_flags_are_refused_before_loading(tiny_model):
     from engine.errors import ConfigError
+    from engine.preflight import read_headers
     from server.cli import parse
-    with pytest.raises(ConfigError, match=r"spec_draft_model=None: is required with spec_type=draft-mtp"):
-        parse(["-m", "x", "--spec-type", "mtp"])
+    # Without -md an MTP draft is the model's own MTP layers, which this model has none of.
+    with pytest.raises(ConfigError, match=r"spec_draft_model=None: is required with spec_type=draft-mtp unless the "
+                                          r"model carries its own MTP layers, and .* has none"):
+        read_headers(parse(["-m", str(tiny_model), "--spec-type", "mtp"])[0])
     with pytest.raises(ConfigError, match=r"spec_draft_n_min=5: must be in 0..spec_draft_n_max=3"):
         parse(["--spec-type", "ngram", "--spec-draft-n-min", "5"])
 
