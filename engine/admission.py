@@ -12,6 +12,7 @@ class Admission:
     ctx_per_slot: int  # positions one request may use
     num_layers: int  # the trunk's
     head_layers: range | None  # under -pp, the layers the head runs itself (the only ones a probe sees)
+    recurrent_layers: frozenset[int] = frozenset()  # linear-attention layers: no attention to probe
 
     def check_prompt(self, n_prompt: int, max_tokens: int | None) -> None:
         """Raise ConfigError unless a prompt of n_prompt tokens and max_tokens (None: as many as
@@ -29,6 +30,9 @@ class Admission:
         """Raise ConfigError unless the probe fits this model and a prompt of n_prompt tokens. Under
         -pp only the head's own stage can be probed: its workers' layers send back hidden states only."""
         probe.check(self.num_layers, n_prompt)
+        check_rules([(layer not in self.recurrent_layers, "attention_probe.layers", layer,
+                      "is a linear_attention (recurrent) layer: it has no attention weights to probe")
+                     for layer in probe.layer_indices(self.num_layers)])
         if self.head_layers is not None:
             own = self.head_layers
             rule = f"probes need a single process: under -pp only the head's layers {own.start}..{own.stop - 1} can be probed"

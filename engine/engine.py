@@ -47,7 +47,9 @@ class Engine:
         self.devices, self.remote, self.placement = parts.devices, parts.remote, parts.placement
         self.weight_formats = parts.weight_formats
         head = self.placement.stage_ranges()[0] if self.remote is not None else None
-        self.admission = Admission(config.ctx_per_slot, self.placement.num_layers, head)
+        mc = self.model.config
+        self.admission = Admission(config.ctx_per_slot, self.placement.num_layers, head,
+                                   frozenset(i for i in range(mc.num_layers) if mc.is_recurrent(i)))
         self.drafting = None if parts.drafter is None else DraftRunner(parts.drafter, config.spec.max_batch, self._fail,
                                                                          pacing=config.spec.pacing)
         self.grammars = Grammars(self.tokenizer.hf, self.model.config.vocab_size, self.eos_ids)
@@ -106,7 +108,7 @@ class Engine:
         self._wake.set()
 
     def slots_info(self) -> list[SlotInfo]:
-        return slot_infos(self.scheduler, self.config.ctx_per_slot)
+        return slot_infos(self.scheduler, self.config.ctx_per_slot, self.cache.recurrent)
 
     @property
     def num_waiting(self) -> int:
@@ -266,6 +268,9 @@ class Engine:
         # A draft fits the slot's room, and stops where the answer must (a verify step emits its
         # kept drafts and one token more), as llama-server caps it by n_predict.
         room = min(self.config.ctx_per_slot - req.num_computed - 1, req.params.max_tokens - req.n_output - 1)
+        if req.resume_hidden is not None:  # it resumed a snapshot: its hidden state pairs with the first token
+            hidden, req.resume_hidden = torch.cat([req.resume_hidden[None], hidden]), None
+            return Span(req, p.row.start - 1, req.num_computed, hidden, room=room)
         return Span(req, p.row.start, req.num_computed, hidden, room=room)
 
     def _hidden_kept(self, out: StepResult, tokens: list[int]) -> torch.Tensor | None:

@@ -18,6 +18,9 @@ class SlotInfo:
     n_decoded: int
     draft_n: int  # drafted and accepted tokens of the slot's current request
     draft_n_accepted: int
+    # A recurrent model's: the prefix lengths whose state the slot keeps a snapshot of, which a next
+    # request sharing them resumes from (None for a model of attention layers alone: any prefix).
+    state_snapshots: list[int] | None = None
 
 
 @dataclass
@@ -41,11 +44,13 @@ class EngineStats:
             self.accepted_at[i] += i < accepted
 
 
-def slot_infos(scheduler: Scheduler, ctx_per_slot: int) -> list[SlotInfo]:
+def slot_infos(scheduler: Scheduler, ctx_per_slot: int, recurrent=None) -> list[SlotInfo]:
+    """recurrent: the cache's RecurrentCache, for a recurrent model."""
     out = []
     for slot in scheduler.slots:
         req = slot.request  # one read: the engine thread may swap it meanwhile
+        snapshots = None if recurrent is None else sorted(n for n in recurrent.snap_lengths[slot.id] if n > 0)
         out.append(SlotInfo(slot.id, ctx_per_slot, req is not None, req.id if req else None,
                             req.n_prompt if req else 0, len(slot.cached_ids), req.n_output if req else 0,
-                            req.draft_n if req else 0, req.draft_n_accepted if req else 0))
+                            req.draft_n if req else 0, req.draft_n_accepted if req else 0, snapshots))
     return out

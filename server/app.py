@@ -119,6 +119,8 @@ def create_app(state: ServerState, on_load_failure: Callable[[BaseException], No
             "tools": {"call_format": "hermes", "template_renders_tools": renders_tools(engine.tokenizer),
                       "tool_choice": ["none", "auto", "required", "function"]},
             "compress_ratios": list(engine.model.config.layer_ratios),
+            # Each trunk layer's mixer: full_attention, or linear_attention (a recurrent state per slot).
+            "layer_types": list(engine.model.config.kinds),
             "qsa_budget": engine.model.config.qsa_budget,
             # Where the model runs (engine/placement.py); one process steps one micro-batch at a time.
             "devices": [usage.as_dict() for usage in engine.devices],
@@ -140,7 +142,8 @@ def create_app(state: ServerState, on_load_failure: Callable[[BaseException], No
         return [{"id": i.id, "id_task": i.id_task, "n_ctx": i.n_ctx, "is_processing": i.is_processing,
                  "speculative": speculative, "n_prompt_tokens": i.n_prompt_tokens, "n_cached": i.n_cached,
                  "next_token": {"n_decoded": i.n_decoded},
-                 "draft_n": i.draft_n, "draft_n_accepted": i.draft_n_accepted}
+                 "draft_n": i.draft_n, "draft_n_accepted": i.draft_n_accepted,
+                 **({} if i.state_snapshots is None else {"state_snapshots": i.state_snapshots})}
                 for i in s.runner.engine.slots_info()]
 
     @app.get("/metrics")

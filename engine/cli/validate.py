@@ -8,7 +8,9 @@ import math
 import sys
 
 from engine.errors import TandemError
-from engine.files.model_config import cache_bytes_per_position, describe_rope, with_compression
+from engine.files.model_config import (FULL_ATTENTION, LINEAR_ATTENTION, cache_bytes_per_position, describe_rope,
+                                       recurrent_state_bytes, with_compression)
+from engine.model.recurrent_cache import SNAPSHOTS
 from engine.files.weights import ModelFiles, open_model
 from engine.model.kv_cache import KV_BYTES_PER_VALUE, KV_DTYPES
 from engine.ops.blocks import GGUF_TYPES
@@ -30,16 +32,43 @@ def stored_formats(files: ModelFiles) -> dict[str, FormatUse]:
     untied_embedding = None if files.config.tie_word_embeddings else "model.embed_tokens.weight"
 
     def entries():
-        for name, shape in files.expected_shapes().items():
+        for name, shape in (files.expected_shapes() if files.has_trunk else files.mtp_shapes()).items():
             kind, nbytes = files.stored.get(name, (None, 0))
             fmt = GGUF_TYPES.get(kind) if len(shape) == 2 and name != untied_embedding else None
             yield (fmt, 1, nbytes) if fmt else ("f32", 1, 4 * math.prod(shape))
     return tally(entries())
 
 
+def _hybrid_lines(files: ModelFiles, c) -> list[str]:
+    """A Qwen3.5 model's layer kinds, Gated DeltaNet geometry, state per slot and MTP layers."""
+    lines = []
+    if c.linear is not None:
+        lin, kinds = c.linear, c.kinds
+        attention = [i for i, kind in enumerate(kinds) if kind == FULL_ATTENTION]
+        state = recurrent_state_bytes(c)
+        lines += [
+            f"layer kinds:  {c.recurrent_layers} {LINEAR_ATTENTION} (Gated DeltaNet), {len(attention)} {FULL_ATTENTION} "
+            f"(layers {','.join(map(str, attention))})",
+            f"linear attn:  {lin.num_k_heads} key heads x {lin.k_head_dim}, {lin.num_v_heads} value heads x "
+            f"{lin.v_head_dim}, conv kernel {lin.conv_kernel}" + (" (value heads tiled, as llama.cpp's GGUF stores "
+                                                                  "them)" if lin.tiled_v_heads else ""),
+            f"state:        {_size(state)} per slot and position kept (recurrent state and conv tail, f32); a slot "
+            f"keeps 1 + --spec-draft-n-max positions with speculation (1 without) and {SNAPSHOTS} snapshots",
+        ]
+    if c.attn_output_gate or c.rotary_dim < c.head_dim:
+        lines.append(f"attention:    {'gated output, ' if c.attn_output_gate else ''}RoPE on {c.rotary_dim} of "
+                     f"{c.head_dim} dims")
+    if files.has_mtp:
+        layer = "blk.N.nextn.*" if files.format == "gguf" else "mtp.*"
+        lines.append(f"MTP:          {c.num_nextn_predict_layers} layer(s) of the model's own ({layer}): "
+                     f"--spec-type draft-mtp drafts with them" + ("" if files.has_trunk else
+                                                                   "; this file holds no trunk: give it as -md"))
+    return lines
+
+
 def summary(path: str, ratios: CompressRatios | None = None, budget: int | None = None,
             ctx_size: int | None = None, parallel: int = 1) -> str:
-    files = open_model(path)
+    files = open_model(path, trunk=False)
     c, _ = with_compression(files.config, ratios, budget)
     params = c.num_parameters()
     lines = [
@@ -51,6 +80,7 @@ def summary(path: str, ratios: CompressRatios | None = None, budget: int | None 
         f"vocab:        {c.vocab_size}" + (" (tied embeddings)" if c.tie_word_embeddings else ""),
         f"rope:         {describe_rope(c.rope)}",
         f"context:      {c.max_position_embeddings}",
+        *_hybrid_lines(files, c),
         f"parameters:   {params / 1e6:.1f} M",
         "weights:      " + ", ".join(f"{d} {_size(params * b)}" for d, b in BYTES_PER_WEIGHT.items()),
         "weights as stored (--dtype auto): " + describe_formats(stored_formats(files)),

@@ -104,7 +104,8 @@ class Request:
     draft_n: int = field(default=0, init=False)
     draft_n_accepted: int = field(default=0, init=False)
     # The target's hidden state at the position before its first computed one, where it resumed a
-    # recurrent model's snapshot (Scheduler.keep_hidden): what an MTP draft pairs with that token.
+    # recurrent model's snapshot (Scheduler.keep_hidden): what an MTP draft pairs with that token,
+    # handed to the drafter with the first committed span (as if that position were committed too).
     resume_hidden: torch.Tensor | None = field(default=None, init=False)
     probe_result: list[LayerProbe] | None = field(default=None, init=False)  # set when the prompt has run
     t_submitted: float = field(default_factory=time.perf_counter, init=False)

@@ -34,20 +34,14 @@ class MTPDrafter(CachedDrafter):
 class NextNDrafter(MTPDrafter):
     """The model's own MTP layers (engine/model/qwen3_5.py NextN), as llama.cpp's draft-mtp runs them:
     cache position p pairs the token at p with the target's hidden state at p - 1, one position
-    after where the detached draft's pairing stands; position 0 pairs the first token with zeros,
-    and a request resuming a recurrent model's snapshot pairs its first token with the hidden state
-    the snapshot kept (Request.resume_hidden)."""
+    after where the detached draft's pairing stands, and position 0 pairs the first token with zeros."""
 
     def catch_up_rows(self, span: Span):
         req, ids = span.request, span.request.token_ids
-        before = None  # the hidden state paired with the span's first token, where this span gives it
         if span.start == 0:
-            before = span.hidden.new_zeros(1, span.hidden.shape[1])
-        elif span.start == req.cache_n and req.resume_hidden is not None:
-            before = req.resume_hidden[None].to(span.hidden)
-        if before is None:  # the span's first token was paired by the previous catch-up
-            return Row(req.slot, span.start + 1, ids[span.start + 1:span.end + 1]), span.hidden
-        return Row(req.slot, span.start, ids[span.start:span.end + 1]), torch.cat([before, span.hidden])
+            zeros = span.hidden.new_zeros(1, span.hidden.shape[1])
+            return Row(req.slot, 0, ids[:span.end + 1]), torch.cat([zeros, span.hidden])
+        return Row(req.slot, span.start + 1, ids[span.start + 1:span.end + 1]), span.hidden
 
 
 class MTPNgramDrafter:

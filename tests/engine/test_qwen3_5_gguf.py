@@ -95,3 +95,11 @@ def test_the_fit_estimate_counts_the_recurrent_states_the_engine_allocates(spec)
         weights += sum(b.nbytes for b in engine.drafter.model.buffers()) - engine.drafter.model.cos.nbytes \
             - engine.drafter.model.sin.nbytes
     assert need.weights == weights
+
+
+def test_a_probe_of_a_recurrent_layer_is_refused_naming_it():
+    from engine.model.probe import ProbeSpec
+    engine = Engine.load(EngineConfig(model=str(MODEL), ctx_size=64))
+    engine.admission.check_probe(ProbeSpec(layers=(1,)), 10)  # an attention layer
+    with pytest.raises(ConfigError, match=r"attention_probe.layers=0: is a linear_attention \(recurrent\) layer"):
+        engine.admission.check_probe(ProbeSpec(layers=(0,)), 10)

@@ -61,3 +61,17 @@ def test_greedy_with_the_draft_equals_greedy_without_it_in_shared_slots(qwen35):
     drafted = run_all(engine(qwen35, DRAFT, slots=3), prompts, params)
     assert [r.output_ids for r in drafted] == [r.output_ids for r in plain]
     assert all(r.draft_n_accepted > 0 for r in drafted) and any(r.draft_n > r.draft_n_accepted for r in drafted)
+
+
+@pytest.mark.parametrize("spec", [None, DRAFT], ids=["plain", "draft-mtp"])
+def test_a_second_turn_resumes_the_first_from_its_snapshot_and_answers_as_a_cold_run(qwen35, spec):
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    warm, cold = engine(qwen35, spec, slots=1), engine(qwen35, spec, slots=1)
+    [first] = run_all(warm, [PROMPT], params, cache_prompt=True)
+    second = first.token_ids + [7, 8, 9]  # the first turn's prompt and answer, then the next message
+    [resumed] = run_all(warm, [second], params, cache_prompt=True)
+    [fresh] = run_all(cold, [second], params)
+    # The answer's last token was emitted, not computed: all before it comes from the snapshot.
+    assert resumed.cache_n == len(first.token_ids) - 1
+    assert (resumed.output_ids, resumed.draft_n, resumed.draft_n_accepted) == \
+        (fresh.output_ids, fresh.draft_n, fresh.draft_n_accepted)

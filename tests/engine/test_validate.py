@@ -24,3 +24,19 @@ def test_validate_reports_the_weights_as_the_file_stores_them(capsys):
     assert "weights as stored (--dtype auto): q4_1 63.3 MiB (210 tensors), q8_0 28.7 MiB (1 tensors), " \
            "f32 0.1 MiB (61 tensors)" in out
     assert "q4_0 72.2 MiB, q4_1 80.2 MiB, q8_0 136.3 MiB" in out  # each format, quantized on load
+
+
+def test_validate_reports_a_hybrid_models_layer_kinds_state_and_mtp_layer(capsys):
+    from tests.engine.test_qwen3_5_gguf import MODEL, MTP_ONLY
+    assert main([str(MODEL), "-c", "1024"]) == 0
+    out = capsys.readouterr().out
+    assert "layer kinds:  2 linear_attention (Gated DeltaNet), 2 full_attention (layers 1,3)" in out
+    assert "linear attn:  2 key heads x 16, 4 value heads x 16, conv kernel 4 (value heads tiled" in out
+    # Per linear layer: the state 4 x 16 x 16 and the conv tail 3 x 128 f32 values; two such layers.
+    assert "state:        11.0 KiB per slot and position kept" in out
+    assert "attention:    gated output, RoPE on 8 of 32 dims" in out
+    assert "KV cache at 1024 positions, f32, dense (2 layers): 1.0 MiB" in out  # the attention layers alone
+    assert "MTP:          1 layer(s) of the model's own (blk.N.nextn.*)" in out
+    assert main([str(MTP_ONLY)]) == 0
+    out = capsys.readouterr().out
+    assert "this file holds no trunk: give it as -md" in out and "f32 0.3 MiB (15 tensors)" in out
