@@ -21,7 +21,7 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX512F__) || defined(__F16C__)
+#if defined(__AVX512F__) || defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 
@@ -233,6 +233,111 @@ inline float min_of(const BlockQ4_1& b) { return half(b.m); }
 template <typename B>
 inline float min_of(const B&) { return 0.f; }
 
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+
+// AVX2 (16 vector registers of 8 lanes): the same products, 8 lanes at a time. The tiles are
+// narrower (run() below) so that accumulators, x and a weight vector fit the registers.
+
+inline float hsum(__m256 v) {
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
+}
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+inline __m256 load8(const at::BFloat16* p) {
+  const __m256i h = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(h, 16));
+}
+inline float widen(float v) { return v; }
+inline float widen(int8_t v) { return static_cast<float>(v); }
+inline float widen(at::BFloat16 v) { return static_cast<float>(v); }
+
+template <int R, int M, typename W, std::enable_if_t<!is_block<W>, int> = 0>
+void block(const W* w, int64_t ldw, const float* x, int64_t K, const float*, const float* scale, const float* bias,
+           float* out, int64_t ldo) {
+  __m256 acc[R][M];
+  for (int i = 0; i < R; ++i)
+    for (int j = 0; j < M; ++j) acc[i][j] = _mm256_setzero_ps();
+  const auto step = [&](int64_t k) {
+    __m256 xv[M];
+    for (int j = 0; j < M; ++j) xv[j] = _mm256_loadu_ps(x + j * K + k);
+    for (int i = 0; i < R; ++i) {
+      const __m256 wv = load8(w + i * ldw + k);
+      for (int j = 0; j < M; ++j) acc[i][j] = _mm256_fmadd_ps(wv, xv[j], acc[i][j]);
+    }
+  };
+  constexpr int64_t V = 64 / (8 * sizeof(W));  // vectors per 64-byte line of a weight row
+  int64_t k = 0;
+  for (; k + 8 * V <= K; k += 8 * V) {
+    for (int i = 0; i < R; ++i) _mm_prefetch(reinterpret_cast<const char*>(w + (i + PREFETCH * R) * ldw + k), _MM_HINT_T0);
+    for (int v = 0; v < V; ++v) step(k + 8 * v);
+  }
+  for (; k + 8 <= K; k += 8) step(k);
+  for (int i = 0; i < R; ++i)
+    for (int j = 0; j < M; ++j) {
+      float s = hsum(acc[i][j]);
+      for (int64_t t = k; t < K; ++t) s += widen(w[i * ldw + t]) * x[j * K + t];
+      out[j * ldo + i] = epilogue(s, scale, bias, i);
+    }
+}
+
+// A block's 32 weights as four vectors of 8, rounded as widen() above rounds them (d * q, then + m).
+inline __m256 ints(__m128i bytes8, bool is_signed) {
+  return _mm256_cvtepi32_ps(is_signed ? _mm256_cvtepi8_epi32(bytes8) : _mm256_cvtepu8_epi32(bytes8));
+}
+inline void widen8(const BlockQ8_0& b, __m256 w[4]) {
+  const __m256 d = _mm256_set1_ps(half(b.d));
+  for (int t = 0; t < 4; ++t)
+    w[t] = _mm256_mul_ps(d, ints(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b.qs + 8 * t)), true));
+}
+// Weights 0..15 are the low nibbles of the 16 bytes, 16..31 the high ones.
+template <typename B>
+inline void nibbles(const B& b, int offset, __m256 w[4], __m256 d) {
+  const __m128i lo4 = _mm_set1_epi8(0x0F), centre = _mm_set1_epi8(static_cast<char>(offset));
+  const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b.qs));
+  const __m128i lo = _mm_sub_epi8(_mm_and_si128(q, lo4), centre);
+  const __m128i hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(q, 4), lo4), centre);
+  w[0] = _mm256_mul_ps(d, ints(lo, true));
+  w[1] = _mm256_mul_ps(d, ints(_mm_srli_si128(lo, 8), true));
+  w[2] = _mm256_mul_ps(d, ints(hi, true));
+  w[3] = _mm256_mul_ps(d, ints(_mm_srli_si128(hi, 8), true));
+}
+inline void widen8(const BlockQ4_0& b, __m256 w[4]) { nibbles(b, 8, w, _mm256_set1_ps(half(b.d))); }
+inline void widen8(const BlockQ4_1& b, __m256 w[4]) {
+  nibbles(b, 0, w, _mm256_set1_ps(half(b.d)));
+  const __m256 m = _mm256_set1_ps(half(b.m));
+  for (int t = 0; t < 4; ++t) w[t] = _mm256_add_ps(w[t], m);
+}
+
+template <int R, int M, typename B, std::enable_if_t<is_block<B>, int> = 0>
+void block(const B* w, int64_t ldw, const float* x, int64_t K, const float*, const float* scale, const float* bias,
+           float* out, int64_t ldo) {
+  __m256 acc[R][M];
+  for (int i = 0; i < R; ++i)
+    for (int j = 0; j < M; ++j) acc[i][j] = _mm256_setzero_ps();
+  constexpr int LINE_BLOCKS = 64 / sizeof(B) >= 2 ? 2 : 1;
+  for (int64_t b = 0; b < ldw; ++b) {
+    for (int i = 0; i < R; ++i) {
+      if (b % LINE_BLOCKS == 0)
+        _mm_prefetch(reinterpret_cast<const char*>(w + (i + PREFETCH * R) * ldw + b), _MM_HINT_T0);
+      __m256 wv[4];
+      widen8(w[i * ldw + b], wv);
+      for (int j = 0; j < M; ++j) {
+        const float* xb = x + j * K + b * QK;
+        acc[i][j] = _mm256_fmadd_ps(wv[0], _mm256_loadu_ps(xb), acc[i][j]);
+        acc[i][j] = _mm256_fmadd_ps(wv[1], _mm256_loadu_ps(xb + 8), acc[i][j]);
+        acc[i][j] = _mm256_fmadd_ps(wv[2], _mm256_loadu_ps(xb + 16), acc[i][j]);
+        acc[i][j] = _mm256_fmadd_ps(wv[3], _mm256_loadu_ps(xb + 24), acc[i][j]);
+      }
+    }
+  }
+  for (int i = 0; i < R; ++i)
+    for (int j = 0; j < M; ++j) out[j * ldo + i] = epilogue(hsum(acc[i][j]), scale, bias, i);
+}
+
 #else
 
 inline float widen(float v) { return v; }
@@ -336,6 +441,12 @@ void run(const W* w, int64_t ldw, const float* x, int64_t M, int64_t N, int64_t 
     }
     sp = sums.data();
   }
+#endif
+#if !defined(__AVX512F__) && defined(__AVX2__)
+  // 16 registers: 4 channels x 1-2 rows, or 2 channels x 3-4 rows, or 1 channel x 8 rows of accumulators.
+  if (M <= 2) return tiles<4, 2>(w, ldw, x, M, N, K, sp, scale, bias, out);
+  if (M <= 4) return tiles<2, 4>(w, ldw, x, M, N, K, sp, scale, bias, out);
+  return tiles<1, 8>(w, ldw, x, M, N, K, sp, scale, bias, out);
 #endif
   if (M <= 4) return tiles<4, 4>(w, ldw, x, M, N, K, sp, scale, bias, out);
   tiles<2, 8>(w, ldw, x, M, N, K, sp, scale, bias, out);
