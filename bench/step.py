@@ -1,11 +1,13 @@
 """`python -m bench.step`: where one decode step's time goes, per weight format.
 
-    python -m bench.step [-m default] [--dtypes int8 auto] [--context 128] [--reps 40] [-t 2]
+    python -m bench.step [-m default] [--dtypes int8 auto] [--context 128] [--reps 40] [--verify 3] [-t 2]
 
 For each format it loads the engine, measures its decode step on bench.formats' TG workload, and
 times the step's parts alone on the model's own weights and cache, one row as at batch 1: each kind
-of linear layer over all layers, attention over --context cached positions, the decoder layers as
-the engine runs them (one kernel call), and the lm_head. What the step takes beyond the layers and
+of linear layer over all layers that have it, attention over --context cached positions, the
+decoder layers as the engine runs them (one kernel call), and the lm_head; and a whole step's
+forward and logits for a decode row against a verify row of 1 + --verify tokens, their ratio the
+cost of verifying drafts. What the step takes beyond the layers and
 the lm_head is the embedding, the final norm, sampling, scheduling and Python. Parts are medians of
 --reps calls, the formats alternating call by call, so that the shared host's drift hits them alike;
 bytes are the weights a part reads once per token. A part timed per layer from Python (a kind of
@@ -32,40 +34,53 @@ from engine.settings import DTYPES
 
 from .formats import TandemSystem, tg_prompts
 
-LINEARS = {"qkv": ("self_attn", "qkv_proj"), "o": ("self_attn", "o_proj"),
-           "gate_up": ("mlp", "gate_up_proj"), "down": ("mlp", "down_proj")}
-
-
 def weight_bytes(layer: Linear) -> int:
     return sum(t.numel() * t.element_size() for t in (layer.weight, layer.scale, layer.bias) if t is not None)
 
 
-def step_parts(system: TandemSystem, context: int) -> dict[str, tuple[Callable[[], object], int]]:
+def linears_by_kind(layers) -> dict[str, list[Linear]]:
+    """Every layer's linear layers by name within the layer (self_attn.qkv_proj, linear_attn.in_proj,
+    mlp.down_proj, ...): each kind of projection over all layers that have it."""
+    kinds: dict[str, list[Linear]] = {}
+    for layer in layers:
+        for name, module in layer.named_modules():
+            if isinstance(module, Linear):
+                kinds.setdefault(name, []).append(module)
+    return kinds
+
+
+def step_parts(system: TandemSystem, context: int, verify: int) -> dict[str, tuple[Callable[[], object], int]]:
     """name -> (one call of that part for one token, the weight bytes it reads)."""
     model, cache = system.engine.model, system.engine.cache
     layers = model.layers
-    a = layers[0].self_attn
     parts = {}
-    for name, (block, attr) in LINEARS.items():
-        linears = [getattr(getattr(layer, block), attr) for layer in layers]
+    for name, linears in linears_by_kind(layers).items():
         x = torch.randn(1, linears[0].cols)
         parts[f"linear {name}"] = ((lambda ls=linears, x=x: [kernels.linear_rows(x, l.weight, l.scale, l.bias)
                                                              for l in ls]),
                                    sum(weight_bytes(l) for l in linears))
+    attention = [layer for layer in layers if layer.self_attn is not None]
+    a = attention[0].self_attn
     q = torch.randn(1, a.heads, a.head_dim)
     slots, lengths = torch.zeros(1, dtype=torch.long), torch.full((1,), context, dtype=torch.long)
     parts["attention"] = (lambda: [kernels.decode_attention(q, cache.k[layer.index], cache.v[layer.index], slots,
-                                                            lengths, a.head_dim ** -0.5) for layer in layers], 0)
+                                                            lengths, a.head_dim ** -0.5) for layer in attention], 0)
     hidden = torch.randn(1, model.config.hidden_size)
-    cos, sin = torch.ones(1, a.head_dim), torch.zeros(1, a.head_dim)
+    rotary = model.config.rotary_dim
+    cos, sin = torch.ones(1, rotary), torch.zeros(1, rotary)
     batch = ForwardBatch.build([Row(0, context, [0])])  # one decode token of slot 0 at position `context`
     with torch.inference_mode():
         if fused_layers(layers, hidden, batch, cos, sin, cache) is None:
             raise RuntimeError("this model's decode step does not take the one-call layer kernel")
-    parts["decoder layers (one call)"] = (
-        (lambda: fused_layers(layers, hidden, batch, cos, sin, cache)),
-        sum(weight_bytes(getattr(getattr(l, b), n)) for l in layers for b, n in LINEARS.values()))
+    all_linears = sum(weight_bytes(l) for ls in linears_by_kind(layers).values() for l in ls)
+    parts["decoder layers (one call)"] = ((lambda: fused_layers(layers, hidden, batch, cos, sin, cache)), all_linears)
     parts["lm_head"] = ((lambda: model.lm_head(hidden)), weight_bytes(model.lm_head))
+    # A whole step's forward and logits for one decode row, and for a verify row of 1 + `verify`
+    # tokens (the last sampled token and the drafts), both from `context` cached positions.
+    for rows in (1, 1 + verify):
+        row = ForwardBatch.build([Row(0, context, [0] * rows)])
+        parts[f"forward + logits, {rows} row{'s' if rows > 1 else ''}"] = (
+            (lambda row=row: model.logits(model(row, cache))), all_linears + weight_bytes(model.lm_head))
     return parts
 
 
@@ -76,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--context", type=int, default=128, help="cached positions the attention reads")
     p.add_argument("--reps", type=int, default=40)
     p.add_argument("--tg", type=int, default=128, help="tokens of the measured decode steps")
+    p.add_argument("--verify", type=int, default=3, help="drafts in the verify row timed against a decode row")
     p.add_argument("-t", "--threads", type=int)
     args = p.parse_args(argv)
     if args.threads:
@@ -87,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         for s in systems:
             s.tg(prompt, args.tg)
             steps[s.name].append(s.last[0])
-    parts = {s.name: step_parts(s, args.context) for s in systems}
+    parts = {s.name: step_parts(s, args.context, args.verify) for s in systems}
     times: dict[tuple[str, str], list[float]] = {}
     with torch.inference_mode():
         for _ in range(args.reps):
@@ -106,6 +122,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{part:28s} {ms[part]:7.2f} {ms[part] / step:8.0%} {nbytes / 1e6:8.3f} {rate:>6s}")
         rest = step - ms["decoder layers (one call)"] - ms["lm_head"]
         print(f"{'rest of the step':28s} {rest:7.2f} {rest / step:8.0%}   (embedding, final norm, sampling, Python)")
+        decode, verify = ms["forward + logits, 1 row"], ms[f"forward + logits, {1 + args.verify} rows"]
+        print(f"a verify row of 1 + {args.verify} tokens costs {verify / decode:.2f}x a decode row "
+              f"({verify:.2f} against {decode:.2f} ms)")
     return 0
 
 

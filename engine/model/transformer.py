@@ -16,9 +16,9 @@ from torch import nn
 
 from engine.files.model_config import ModelConfig
 from engine.model.attention import Attention
-from engine.model.batch import ForwardBatch
+from engine.model.batch import NO_ROWS, ForwardBatch
 from engine.model.gated_delta import GatedDeltaNet
-from engine.model.kv_cache import KVCache
+from engine.model.kv_cache import KernelView, KVCache
 from engine.model.layer_spec import LayerSpec, trunk_specs
 from engine.model.mlp import MLP
 from engine.model.norm import RMSNorm
@@ -54,15 +54,24 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
     @functools.cached_property
-    def kernel_weights(self) -> list[torch.Tensor | None] | None:
-        """The layer's tensors in the order tandem's decoder_layers kernel reads them; None for a
-        layer the kernel does not compute (a recurrent or gated-attention layer, partial RoPE)."""
-        a, m = self.self_attn, self.mlp
-        if a is None or a.gated or a.partial_rotary:
-            return None
-        norms = [a.q_norm.weight, a.k_norm.weight] if a.q_norm is not None else [None, None]
-        return [self.input_layernorm.weight, *_linear(a.qkv_proj), *norms, *_linear(a.o_proj),
-                self.post_attention_layernorm.weight, *_linear(m.gate_up_proj), *_linear(m.down_proj)]
+    def kernel_weights(self) -> list[torch.Tensor | None]:
+        """The layer's tensors in the order tandem's decoder_layers kernel reads them (a linear-
+        attention layer's input projection and out_proj where an attention layer's qkv and o go)."""
+        a, m, g = self.self_attn, self.mlp, self.linear_attn
+        norms = [a.q_norm.weight, a.k_norm.weight] if a is not None and a.q_norm is not None else [None, None]
+        mixer = [*_linear(g.in_proj), *norms, *_linear(g.out_proj)] if g is not None else \
+            [*_linear(a.qkv_proj), *norms, *_linear(a.o_proj)]
+        return [self.input_layernorm.weight, *mixer, self.post_attention_layernorm.weight, *_linear(m.gate_up_proj),
+                *_linear(m.down_proj)]
+
+    def linear_kernel_tensors(self, cache: KVCache) -> list[torch.Tensor | None]:
+        """A linear-attention layer's own tensors and stores as decoder_layers reads them; 7 None for
+        an attention layer."""
+        g = self.linear_attn
+        if g is None:
+            return [None] * 7
+        j = cache.recurrent.layers[self.index]
+        return [g.conv_weight, g.A, g.dt_bias, g.k_head, g.norm.weight, cache.recurrent.conv[j], cache.recurrent.state[j]]
 
 
 def _linear(layer: Linear) -> list[torch.Tensor | None]:
@@ -75,25 +84,31 @@ def fused_layers(layers: list[DecoderLayer], x: torch.Tensor, batch: ForwardBatc
     linear kernel's row limit) on a cache of the compute dtype or q8_0 (slot-major or paged); None when it is not, or
     when a layer has hooks (`python -m train` watches one) or a row probes (its chosen layers hand
     q to the probe): those run module by module. QSA layers take the call too, with their specs
-    and the cache's pooled keys. cos, sin: [N, head_dim]."""
-    first = layers[0]
+    and the cache's pooled keys, and linear-attention layers with their states. cos, sin: [N, R],
+    R the rotary dims."""
+    attention = [layer for layer in layers if layer.self_attn is not None]
+    recurrent = len(attention) < len(layers)
     if not kernels.usable(x) or batch.probes is not None or len(batch.slots) != batch.num_tokens \
-            or any(layer.kernel_weights is None for layer in layers) \
-            or batch.num_tokens > first.self_attn.qkv_proj.max_kernel_rows \
+            or (recurrent and batch.rope_positions is not None) \
+            or batch.num_tokens > min(layer.mlp.gate_up_proj.max_kernel_rows for layer in layers) \
             or any(layer._forward_pre_hooks or layer._forward_hooks for layer in layers):
         return None
-    views = [cache.kernel_view(layer.index, x.dtype) for layer in layers]
-    if any(view is None for view in views):  # another dtype than x's, or K and V in different formats
+    views = {layer.index: cache.kernel_view(layer.index, x.dtype) for layer in attention}
+    if any(view is None for view in views.values()):  # another dtype than x's, or K and V in different formats
         return None
-    a = first.self_attn
+    # A linear-attention layer has no K/V: an attention layer's view (or nothing) stands in, unread.
+    stand_in = views[attention[0].index] if attention else KernelView(NO_ROWS, NO_ROWS, None, None)
+    views = [views.get(layer.index, stand_in) for layer in layers]
+    heads, kv_heads = (attention[0].self_attn.heads, attention[0].self_attn.kv_heads) if attention else (1, 1)
     weights = [w for layer in layers for w in layer.kernel_weights]
     specs = [layer.spec for layer in layers]
+    linear = [t for layer in layers for t in layer.linear_kernel_tensors(cache)] if recurrent else None
     return kernels.decoder_layers(x, weights, [view.k for view in views], [view.v for view in views],
                                   [view.k_scale for view in views], [view.v_scale for view in views],
                                   [view.kpool for view in views], [spec.ratio for spec in specs],
                                   [spec.budget for spec in specs], batch.slots, batch.positions, cos, sin,
-                                  a.heads, a.kv_heads, first.input_layernorm.eps, batch.rope_positions,
-                                  views[0].pages)
+                                  heads, kv_heads, layers[0].input_layernorm.eps, batch.rope_positions,
+                                  views[0].pages, linear)
 
 
 def run_layers(layers: list[DecoderLayer], x: torch.Tensor, batch: ForwardBatch, cos: torch.Tensor,

@@ -128,7 +128,8 @@ def decoder_layers(x: torch.Tensor, weights: list[torch.Tensor | None], k_cache:
                    v_scales: list[torch.Tensor | None], kpools: list[torch.Tensor | None], ratios: list[int],
                    budgets: list[int], slots: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
                    sin: torch.Tensor, heads: int, kv_heads: int, eps: float,
-                   rope_positions: torch.Tensor | None = None, pages: torch.Tensor | None = None) -> torch.Tensor:
+                   rope_positions: torch.Tensor | None = None, pages: torch.Tensor | None = None,
+                   linear_layers: list[torch.Tensor | None] | None = None) -> torch.Tensor:
     """Decoder layers over x [N, hidden], each token a row at positions[n] of slot slots[n]: it
     writes its K/V there and attends causally to its slot. weights: each layer's kernel_weights,
     concatenated; k_cache, v_cache: each layer's [S, KVH, C, D], and k_scales, v_scales its q8_0
@@ -138,10 +139,15 @@ def decoder_layers(x: torch.Tensor, weights: list[torch.Tensor | None], k_cache:
     rope_positions: a tree's verify rows: token n, written at positions[n], standing at rope_positions[n],
     attends to 0 .. rope_positions[n]-1 and then itself (engine/model/batch.py tree_mask).
     pages: a unified pool's page table, as decode_attention takes it, each layer's cache then one
-    pool [1, KVH, P, D] (and its pooled keys [1, KVH, P // ratio, D])."""
+    pool [1, KVH, P, D] (and its pooled keys [1, KVH, P // ratio, D]).
+    A gated attention layer (Qwen3.5) gives its output gates after q, k and v in its fused projection,
+    and cos, sin [N, R] may turn fewer dims than D (partial RoPE). linear_layers: per layer a linear-
+    attention layer's 7 tensors (its convolution, A, dt_bias, each value head's key head, the gated
+    norm's weight, its conv and state stores: engine/model/gated_delta.py) or 7 None for an attention
+    layer, whose K/V cache entries then stand in (unread) for its own."""
     return _ops().decoder_layers(x, weights, k_cache, v_cache, k_scales, v_scales, kpools, ratios, budgets, slots,
                                  positions, cos, sin,
-                                 heads, kv_heads, eps, rope_positions, pages)
+                                 heads, kv_heads, eps, rope_positions, pages, linear_layers)
 
 
 def gated_delta_rows(proj: torch.Tensor, key_dim: int, conv_weight: torch.Tensor, A: torch.Tensor,

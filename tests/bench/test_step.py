@@ -18,14 +18,15 @@ def test_step_profile_gives_each_part_its_time_and_weight_bytes(tmp_path, capsys
     mb = {}
     for fmt, text in sections.items():
         rows = {m[1].strip(): (float(m[2]), float(m[3])) for m in
-                re.finditer(r"^(linear \w+|attention|decoder layers \(one call\)|lm_head)\s+([\d.]+)\s+\d+%\s+([\d.]+)",
+                re.finditer(r"^(linear [\w.]+|attention|decoder layers \(one call\)|lm_head)\s+([\d.]+)\s+\d+%\s+([\d.]+)",
                             text, re.M)}
-        assert set(rows) == {"linear qkv", "linear o", "linear gate_up", "linear down", "attention",
-                             "decoder layers (one call)", "lm_head"}
+        assert set(rows) == {"linear self_attn.qkv_proj", "linear self_attn.o_proj", "linear mlp.gate_up_proj",
+                             "linear mlp.down_proj", "attention", "decoder layers (one call)", "lm_head"}
         assert all(ms > 0 for ms, _ in rows.values())
         # The layers' call reads what the four kinds of linear layer hold, and attention no weights.
         kinds = sum(mb for part, (_, mb) in rows.items() if part.startswith("linear"))
         assert abs(rows["decoder layers (one call)"][1] - kinds) < 0.003 and rows["attention"][1] == 0
         mb[fmt] = kinds
         assert re.search(r"^rest of the step\s+-?[\d.]+", text, re.M)
+        assert re.search(r"^a verify row of 1 \+ 3 tokens costs [\d.]+x a decode row", text, re.M)
     assert mb["q4_1"] < mb["int8"]

@@ -11,7 +11,8 @@ from engine.cli.tiny import write_tiny_model
 from engine.files.weights import open_model
 from engine.model import rope, transformer
 from engine.model.batch import ForwardBatch, Row
-from engine.model.kv_cache import KV_DTYPES, KVCache, PagedKVCache, Q8Storage
+from engine.model.kv_cache import KV_DTYPES, KVCache, PagedKVCache, Q8Storage, recurrent_cache
+from engine.model.layer_spec import trunk_specs as model_specs
 from engine.model.transformer import Transformer
 from engine.ops import blocks, kernels, quant
 from engine.ops.arena import move_to_huge_pages
@@ -291,6 +292,8 @@ LAYER_CASES += [("llama", "f32", True, None), ("qwen3", "q4_1", True, None), ("h
                 ("qwen2", "bf16", True, None)]
 # A q8_0 cache (-ctk/-ctv q8_0), slot-major and unified; hd160's heads hold 5 blocks of 32.
 LAYER_CASES += [("llama", "f32", False, "q8_0"), ("hd160", "int8", False, "q8_0"), ("qwen3", "q4_1", True, "q8_0")]
+# Qwen3.5: gated attention with partial RoPE beside Gated DeltaNet layers and their states.
+LAYER_CASES += [("qwen3_5", "f32", False, None), ("qwen3_5", "q8_0", True, None), ("qwen3_5", "q4_0", False, None)]
 
 
 @pytest.mark.parametrize("family, dtype, paged, cache_type", LAYER_CASES)
@@ -309,7 +312,9 @@ def test_whole_layer_kernel_equals_the_layer_by_layer_path(tmp_path, monkeypatch
         model = Transformer(c, files.load_tensors(), dtype, max_positions=64)
         layout = PagedKVCache if paged else KVCache
         cache = layout(c.num_layers, 3, 3 * 64 if paged else 64, c.num_kv_heads, c.head_dim,
-                       dtype=KV_DTYPES[cache_type] if cache_type else quant.compute_dtype(dtype))
+                       dtype=KV_DTYPES[cache_type] if cache_type else quant.compute_dtype(dtype), specs=model.specs)
+        if c.linear is not None:  # states of the verify block's every position
+            cache.recurrent = recurrent_cache(c, model.specs, ["cpu"] * c.num_layers, 3, steps=4)
         for length in (16, 64):  # slot 0's second page comes after the others' first
             for slot, prompt in enumerate(prompts):
                 assert cache.ensure(slot, min(length, len(prompt) + 3))
@@ -334,15 +339,24 @@ def test_whole_layer_kernel_equals_the_layer_by_layer_path(tmp_path, monkeypatch
         return
     # A q8_0 cache rounds each key to a step of its block's scale: where the kernel's key differs
     # from the module's in its last f32 bit, one int8 value may round the other way.
-    step = 0.0 if not cache_type else max(store.scale.float().max().item() for store in cache.k + cache.v)
+    step = 0.0 if not cache_type else max(store.scale.float().max().item() for store in cache.k + cache.v
+                                          if store is not None)
     torch.testing.assert_close(with_kernel, layer_by_layer, rtol=0, atol=1e-3 if cache_type else 1e-4)
-    for layer in range(c.num_layers):  # and it wrote the same keys and values where the step wrote
-        for slot, row in enumerate(step_rows):
+    if c.linear is not None:  # the same states after every position the step wrote
+        for ours, theirs in zip(cache.recurrent.state + cache.recurrent.conv,
+                                reference_cache.recurrent.state + reference_cache.recurrent.conv):
+            for row in step_rows:
+                for position in range(row.start, row.start + len(row.tokens)):
+                    entry = position % cache.recurrent.steps
+                    torch.testing.assert_close(ours[row.slot, entry], theirs[row.slot, entry], rtol=1e-4, atol=1e-5)
+    for layer in [i for i, spec in enumerate(model_specs(c)) if not spec.is_recurrent]:
+        for slot, row in enumerate(step_rows):  # and it wrote the same keys and values where the step wrote
             end = row.start + len(row.tokens)
             for written, reference in zip(cache.read(layer, slot, end), reference_cache.read(layer, slot, end)):
                 torch.testing.assert_close(written, reference, rtol=0, atol=1e-4 + 1.01 * step)
     if cache_type:  # as stored: the same int8 values and f16 scales but for a rare rounding
-        for store, reference in zip(cache.k + cache.v, reference_cache.k + reference_cache.v):
+        attention = [(a, b) for a, b in zip(cache.k + cache.v, reference_cache.k + reference_cache.v) if a is not None]
+        for store, reference in attention:
             moved = (store.q.int() - reference.q.int()).abs()
             assert moved.max() <= 1 and (moved > 0).float().mean() < 0.001
             torch.testing.assert_close(store.scale, reference.scale, rtol=1e-3, atol=0)  # an f16 ulp

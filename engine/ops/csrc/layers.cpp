@@ -33,9 +33,14 @@
 namespace {
 
 // Per layer, in this order, None where the layer has none: the two norms' weights, q_norm and
-// k_norm (Qwen3), and each linear layer as (weight, scale, bias).
+// k_norm (Qwen3), and each linear layer as (weight, scale, bias). A linear-attention layer's QKV is
+// its input projection [qkv | z | b | a] and O its out_proj.
 enum Slot { IN_NORM, QKV, QKV_SCALE, QKV_BIAS, Q_NORM, K_NORM, O, O_SCALE, O_BIAS, POST_NORM, GATE_UP,
             GATE_UP_SCALE, GATE_UP_BIAS, DOWN, DOWN_SCALE, DOWN_BIAS, PER_LAYER };
+// A linear-attention layer's own tensors, in this order (all None for an attention layer): its
+// convolution [C, K], A and dt_bias [H] f32, each value head's key head [H] int64, the gated norm's
+// weight [Dv] f32, and its stores in the cache, conv [S, R, K-1, C] and state [S, R, H, Dk, Dv].
+enum LinearSlot { CONV_WEIGHT, A, DT_BIAS, K_HEAD, GATED_NORM, CONV_STORE, STATE_STORE, PER_LINEAR };
 
 using Weights = c10::List<c10::optional<at::Tensor>>;
 
@@ -103,6 +108,42 @@ void pool_blocks(const Store& kc, const at::Tensor& kpool, const int64_t* slots,
       return t[c].narrow(1, first, ratio);
     }).mean(1));
   }
+}
+
+// weight * o / rms(o) * silu(z) per value head, in f32: core [N, H, Dv], z [N, H * Dv] (a view) -> [N, H * Dv],
+// in engine/model/norm.py GatedRMSNorm's order.
+at::Tensor gated_norm(const at::Tensor& core, const at::Tensor& z, const at::Tensor& weight, double eps) {
+  const int64_t N = core.size(0), H = core.size(1), Dv = core.size(2);
+  const at::Tensor zc = z.to(at::kFloat).contiguous(), w = weight.to(at::kFloat).contiguous();
+  at::Tensor out = at::empty({N, H * Dv}, core.options());
+  const float* o = core.data_ptr<float>();
+  const float* zp = zc.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  float* y = out.data_ptr<float>();
+  for (int64_t r = 0; r < N * H; ++r) {
+    const float* on = o + r * Dv;
+    float ss = 0.f;
+    for (int64_t c = 0; c < Dv; ++c) ss += on[c] * on[c];
+    const float inv = 1.f / std::sqrt(ss / static_cast<float>(Dv) + static_cast<float>(eps));
+    for (int64_t c = 0; c < Dv; ++c) {
+      const float g = zp[r * Dv + c];
+      y[r * Dv + c] = wp[c] * (on[c] * inv) * (g / (1.f + std::exp(-g)));
+    }
+  }
+  return out;
+}
+
+// A linear-attention layer's mixer over its normed input h [N, hidden] -> [N, hidden] (its stores written).
+at::Tensor linear_attention(const at::Tensor& h, const Weights& w, int64_t b, const Weights& lin, int64_t l,
+                            const at::Tensor& slots, const at::Tensor& positions, double eps) {
+  const auto get = [&](LinearSlot t) { return *lin.get(l * PER_LINEAR + t); };
+  const at::Tensor conv_weight = get(CONV_WEIGHT), state = get(STATE_STORE);
+  const int64_t H = state.size(2), Dv = state.size(4), C = conv_weight.size(0);
+  const at::Tensor proj = linear(h, w, b, QKV).to(at::kFloat);
+  const at::Tensor core = tandem::gated_delta_rows(proj, (C - H * Dv) / 2, conv_weight, get(A), get(DT_BIAS),
+                                                   get(K_HEAD), get(CONV_STORE), state, slots, positions);
+  const at::Tensor normed = gated_norm(core, proj.narrow(1, C, H * Dv), get(GATED_NORM), eps);
+  return linear(normed.to(h.scalar_type()), w, b, O);
 }
 
 // Where slot s's positions 0 .. length-1 lie in a pool of `pool` rows, [length] int64.
@@ -184,7 +225,7 @@ at::Tensor decoder_layers(const at::Tensor& hidden, const Weights& weights, cons
                           at::IntArrayRef ratios, at::IntArrayRef budgets, const at::Tensor& slots,
                           const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin, int64_t heads,
                           int64_t kv_heads, double eps, const c10::optional<at::Tensor>& rope_positions,
-                          const c10::optional<at::Tensor>& pages) {
+                          const c10::optional<at::Tensor>& pages, const c10::optional<Weights>& linear_layers) {
   const int64_t layers = static_cast<int64_t>(k_cache.size()), N = hidden.size(0);
   TORCH_CHECK(hidden.dim() == 2 && v_cache.size() == k_cache.size() &&
                   static_cast<int64_t>(weights.size()) == layers * PER_LAYER,
@@ -201,9 +242,21 @@ at::Tensor decoder_layers(const at::Tensor& hidden, const Weights& weights, cons
   const c10::optional<at::Tensor> last = tree ? c10::optional<at::Tensor>(p) : c10::nullopt;
   const int64_t* sp = s.data_ptr<int64_t>();
   const int64_t* pp = p.data_ptr<int64_t>();
+  const Weights lin = linear_layers.has_value() ? *linear_layers : Weights();
+  TORCH_CHECK(!linear_layers.has_value() || static_cast<int64_t>(lin.size()) == layers * PER_LINEAR,
+              "decoder_layers: ", PER_LINEAR, " linear-attention tensors per layer expected (None for attention)");
+  TORCH_CHECK(!tree || lin.empty(), "decoder_layers: a tree's rows need an attention layer's cache");
   at::Tensor x = hidden.contiguous();
   for (int64_t l = 0; l < layers; ++l) {
     const int64_t b = l * PER_LAYER;
+    if (!lin.empty() && lin.get(l * PER_LINEAR).has_value()) {  // a linear-attention (recurrent) layer
+      x = x + linear_attention(tandem::rms_norm(x, required(weights, b + IN_NORM), eps), weights, b, lin, l, s, p, eps);
+      const at::Tensor gate_up = linear(tandem::rms_norm(x, required(weights, b + POST_NORM), eps), weights, b,
+                                        GATE_UP);
+      const int64_t inter = gate_up.size(1) / 2;
+      x = x + linear(at::silu(gate_up.narrow(1, 0, inter)) * gate_up.narrow(1, inter, inter), weights, b, DOWN);
+      continue;
+    }
     Store ks{k_cache[l], k_scales.get(l)}, vs{v_cache[l], v_scales.get(l)};
     const at::Tensor &kc = ks.data, &vc = vs.data;
     const bool q8 = ks.scales.has_value();
@@ -240,8 +293,10 @@ at::Tensor decoder_layers(const at::Tensor& hidden, const Weights& weights, cons
                   " writes slot ", sp[n], " position ", pp[n], " outside a cache of ", S, " slots x ", kc.size(2));
       tandem::check_rows(pages, sp[n], pp[n] + 1, kc.size(2), "decoder_layers");
     }
+    // [q | k | v] heads, then a gated layer's output gates, one per query head (Qwen3.5).
     const at::Tensor qkv = linear(tandem::rms_norm(x, required(weights, b + IN_NORM), eps), weights, b, QKV)
-                               .view({N, heads + 2 * kv_heads, D});
+                               .view({N, -1, D});
+    const bool gated = qkv.size(1) == 2 * heads + 2 * kv_heads;
     if (weights.get(b + Q_NORM).has_value()) {
       norm_heads(qkv.narrow(1, 0, heads), required(weights, b + Q_NORM), eps);
       norm_heads(qkv.narrow(1, heads, kv_heads), required(weights, b + K_NORM), eps);
@@ -250,9 +305,10 @@ at::Tensor decoder_layers(const at::Tensor& hidden, const Weights& weights, cons
     write_cache(qkv.narrow(1, heads, kv_heads), ks, sp, pp, at);
     write_cache(qkv.narrow(1, heads + kv_heads, kv_heads), vs, sp, pp, at);
     if (ratio) pool_blocks(ks, kpool, sp, pp, N, ratio, at);
-    const at::Tensor attn = attend_rows(qkv.narrow(1, 0, heads), ks, vs, kpool, s, p, lengths, last, ratio,
-                                        ratio ? budgets[l] / ratio : 0, pages);
-    x = x + linear(attn.view({N, heads * D}), weights, b, O);
+    at::Tensor attn = attend_rows(qkv.narrow(1, 0, heads), ks, vs, kpool, s, p, lengths, last, ratio,
+                                  ratio ? budgets[l] / ratio : 0, pages);
+    if (gated) attn = attn * at::sigmoid(qkv.narrow(1, heads + 2 * kv_heads, heads));
+    x = x + linear(attn.reshape({N, heads * D}), weights, b, O);
     const at::Tensor gate_up = linear(tandem::rms_norm(x, required(weights, b + POST_NORM), eps), weights, b, GATE_UP);
     const int64_t inter = gate_up.size(1) / 2;
     x = x + linear(at::silu(gate_up.narrow(1, 0, inter)) * gate_up.narrow(1, inter, inter), weights, b, DOWN);
@@ -266,7 +322,7 @@ TORCH_LIBRARY_FRAGMENT(tandem, m) {
   m.def("decoder_layers(Tensor hidden, Tensor?[] weights, Tensor[] k_cache, Tensor[] v_cache, Tensor?[] k_scales, "
         "Tensor?[] v_scales, Tensor?[] kpools, "
         "int[] ratios, int[] budgets, Tensor slots, Tensor positions, Tensor cos, Tensor sin, int heads, int kv_heads, "
-        "float eps, Tensor? rope_positions=None, Tensor? pages=None) -> Tensor");
+        "float eps, Tensor? rope_positions=None, Tensor? pages=None, Tensor?[]? linear_layers=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tandem, CPU, m) { m.impl("decoder_layers", decoder_layers); }

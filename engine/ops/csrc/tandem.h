@@ -70,4 +70,12 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
                             const c10::optional<at::Tensor>& pages, const c10::optional<at::Tensor>& k_scale,
                             const c10::optional<at::Tensor>& v_scale);
 
+// A Gated DeltaNet layer's rule token by token (gated_delta.cpp): proj [N, C + H Dv + 2H] f32, its
+// input projection; token n at positions[n] of slot slots[n] (a slot's tokens in order); the stores
+// conv [S, R, K-1, C] and state [S, R, H, Dk, Dv] -> [N, H, Dv].
+at::Tensor gated_delta_rows(const at::Tensor& proj, int64_t key_dim, const at::Tensor& conv_weight,
+                            const at::Tensor& A, const at::Tensor& dt_bias, const at::Tensor& k_head,
+                            at::Tensor conv_store, at::Tensor state_store, const at::Tensor& slots,
+                            const at::Tensor& positions);
+
 }  // namespace tandem
