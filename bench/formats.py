@@ -148,9 +148,12 @@ class TransformersSystem:
 
 
 def tg_prompts(tokenizer, heldout: int | None, message: str = CHAT) -> list[list[int]]:
-    """The TG prompts: `heldout` held-out MTP training prompts, or one chat message."""
+    """The TG prompts: `heldout` held-out MTP training prompts, or one chat message (its text alone
+    for a model without a chat template, as a random-weight model made to measure speed has none)."""
     if heldout:
         return chat_prompts(tokenizer, 0, heldout, seed=0)[1]
+    if not tokenizer.chat_template:
+        return [tokenizer.encode(message)]
     return [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": message}]))]
 
 
