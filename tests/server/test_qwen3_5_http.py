@@ -3,7 +3,8 @@ model's own MTP layer as the draft, in chains: with the main command's defaults 
 pool, the file's own formats, streaming, pacing), two chats at once and an answer held to a JSON
 schema give the greedy tokens of the model without speculation, by the exact-token rule; a second
 chat turn resumes the first's prefix from its snapshot and answers as a cold run; and the shape
-composes with the draft from the MTP-only file, -pp 2 and the draft on its own rank."""
+composes with the draft from the MTP-only file, -pp 2, n-gram continuations and the draft on its own
+rank."""
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
@@ -28,7 +29,8 @@ CELLS = {
     "main defaults, the model's own MTP layer": [*DRAFT, "--spec-max-batch", "0"],
     "the MTP-only file as -md, -pp 2, 2 slots": [*DRAFT, *DRAFT_EVERY_STEP, "-md", str(MTP_ONLY), "-pp", "2",
                                                  "-np", "2"],
-    "the draft on its own rank": [*DRAFT, *DRAFT_EVERY_STEP, "--spec-draft-rank", "-np", "2"],
+    "n-gram continuations beside it, the draft on its own rank": [
+        "--spec-type", "draft-mtp-ngram", "--spec-draft-p-min", "0", *DRAFT_EVERY_STEP, "--spec-draft-rank", "-np", "2"],
 }
 
 
@@ -67,15 +69,21 @@ def test_greedy_answers_with_the_mtp_draft_are_the_models_own(start_server, plai
             answers = list(pool.map(lambda p: chat(c, [{"role": "user", "content": p}], cache_prompt=False), PROMPTS))
             held = chat(c, [{"role": "user", "content": PROMPTS[0]}], max_tokens=SCHEMA_TOKENS, ignore_eos=False,
                         response_format={"type": "json_schema", "json_schema": {"name": "t", "schema": SCHEMA}})
+            body = {"messages": [{"role": "user", "content": PROMPTS[1]}], "max_tokens": TOKENS, "temperature": 0,
+                    "ignore_eos": True, "cache_prompt": False, "stream": True}
+            with c.stream("POST", "/v1/chat/completions", json=body) as r:
+                streamed = "".join(e["choices"][0]["delta"].get("content") or ""
+                                   for e in sse_events(r) if e.get("choices"))
             props = c.get("/props").json()
     finally:
         server.kill()
+    assert streamed == answers[1]["choices"][0]["message"]["content"]
     for answer, prompt_ids, want in zip(answers, ids, expected):
         assert_same_greedy(ids_of(answer), want, prompt_ids, logits)
         assert answer["timings"]["draft_n"] > 0 and answer["timings"]["draft_n_accepted"] > 0
     assert_same_greedy(ids_of(held), held_expected, ids[0], held_logits)
     assert held["choices"][0]["finish_reason"] == "stop"
-    assert props["speculative"]["type"] == "draft-mtp"
+    assert props["speculative"]["type"] == CELLS[cell][CELLS[cell].index("--spec-type") + 1]
     assert props["layer_types"] == ["linear_attention", "full_attention"] * 2
 
 
