@@ -179,10 +179,13 @@ def from_gguf_metadata(meta: dict, tensor_shapes: dict[str, tuple[int, ...]]) ->
     qwen3_5 = family == "qwen3_5"
     kinds, linear = _linear_from_gguf(key, trunk) if qwen3_5 else ((), None)
     rotary = key("rope.dimension_count")
+    kv_heads = key("attention.head_count_kv", heads)
+    if isinstance(kv_heads, (list, tuple)):  # per layer, 0 for a recurrent one (hybrid files may write it so)
+        kv_heads = max(kv_heads)
     return ModelConfig(
         family=family, hidden_size=hidden, intermediate_size=int(key("feed_forward_length")),
         num_layers=trunk, num_heads=heads,
-        num_kv_heads=int(key("attention.head_count_kv", heads)), head_dim=int(head_dim), vocab_size=int(vocab),
+        num_kv_heads=int(kv_heads), head_dim=int(head_dim), vocab_size=int(vocab),
         rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-6)), rope=rope,
         max_position_embeddings=int(key("context_length", 2048)),
         tie_word_embeddings="output.weight" not in tensor_shapes,
