@@ -26,6 +26,7 @@ class Slot:
     hidden: torch.Tensor | None = None
 
     def hidden_at(self, position: int) -> torch.Tensor | None:
+        """The hidden state kept at `position`, None where the last step did not commit it."""
         first = len(self.cached_ids) - (len(self.hidden) if self.hidden is not None else 0)
         return self.hidden[position - first] if self.hidden is not None and first <= position else None
 
@@ -118,7 +119,7 @@ class Scheduler:
             reuse = common_prefix(slot.cached_ids, request.prefill_ids) if request.cache_prompt else 0
             # At least the last prompt token runs through the model: its logits give the first token.
             reuse = max(0, min(reuse, len(request.prefill_ids) - 1) - self.reuse_margin)
-            reuse = self.kv.reusable(slot.id, reuse, self.keep_hidden)  # a recurrent state's
+            reuse = self.kv.reusable(slot.id, reuse, self.keep_hidden)  # a recurrent model: where it holds the state
             request.resume_hidden = self.kv.snapshot_hidden(slot.id, reuse) if self.keep_hidden and reuse else None
             self._trim(slot, reuse)
             slot.request = request

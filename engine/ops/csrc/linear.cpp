@@ -69,6 +69,11 @@ inline void widen(const BlockQ4_1& b, float* out) {
 template <typename B>
 constexpr bool is_block = std::is_same_v<B, BlockQ4_0> || std::is_same_v<B, BlockQ4_1> || std::is_same_v<B, BlockQ8_0>;
 
+// One weight of a plain format as f32 (a row's tail past its last whole vector, the portable loop).
+inline float widen(float v) { return v; }
+inline float widen(int8_t v) { return static_cast<float>(v); }
+inline float widen(at::BFloat16 v) { return static_cast<float>(v); }
+
 // scale and bias are null when the layer has none.
 inline float epilogue(float v, const float* scale, const float* bias, int i) {
   if (scale) v *= scale[i];
@@ -251,9 +256,6 @@ inline __m256 load8(const at::BFloat16* p) {
   const __m256i h = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   return _mm256_castsi256_ps(_mm256_slli_epi32(h, 16));
 }
-inline float widen(float v) { return v; }
-inline float widen(int8_t v) { return static_cast<float>(v); }
-inline float widen(at::BFloat16 v) { return static_cast<float>(v); }
 
 template <int R, int M, typename W, std::enable_if_t<!is_block<W>, int> = 0>
 void block(const W* w, int64_t ldw, const float* x, int64_t K, const float*, const float* scale, const float* bias,
@@ -339,10 +341,6 @@ void block(const B* w, int64_t ldw, const float* x, int64_t K, const float*, con
 }
 
 #else
-
-inline float widen(float v) { return v; }
-inline float widen(int8_t v) { return static_cast<float>(v); }
-inline float widen(at::BFloat16 v) { return static_cast<float>(v); }
 
 // Portable fallback, same contract: correct everywhere, fast where the compiler vectorizes it.
 template <int R, int M, typename W, std::enable_if_t<!is_block<W>, int> = 0>
