@@ -45,7 +45,6 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(t[p + "q_norm.weight"], c.rms_norm_eps, cdt) if c.qk_norm else None
         self.k_norm = RMSNorm(t[p + "k_norm.weight"], c.rms_norm_eps, cdt) if c.qk_norm else None
         self.heads, self.kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
-        self.partial_rotary = c.rotary_dim < c.head_dim
         self.group = c.num_heads // c.num_kv_heads
 
     def forward(self, x, batch: ForwardBatch, cos, sin, cache: KVCache, layer: int) -> torch.Tensor:
