@@ -44,6 +44,8 @@ def layer_weight_bytes(c: ModelConfig, dtype: str, layer: int = 0) -> int:
     num_layers and after): the matrices and biases in the weight format (int8 with an f32 scale per
     output channel), the norms in the compute dtype, a linear-attention layer's convolution, decay
     parameters and gated norm in f32."""
+    if c.experts is not None:  # Qwen4-Exp: every parameter in the weight format, its hash tables apart
+        return c.layer_parameters(layer) * BYTES_PER_WEIGHT[dtype]
     h, i, q, kv = c.hidden_size, c.intermediate_size, c.q_size, c.kv_size
     rows = [2 * i, h]  # the MLP's gate_up and down matrices' output channels, each reading h or i
     weights = 3 * h * i + ((2 * i + h) if c.mlp_bias else 0)
@@ -78,6 +80,8 @@ def table_bytes(c: ModelConfig, dtype: str) -> int:
 def layer_kv_bytes(c: ModelConfig, ratio: int, positions: int, kv_types: tuple[str, str]) -> int:
     """One layer's K and V for `positions` positions, and its pooled keys when it is a QSA layer."""
     kv = positions * c.kv_size * (KV_BYTES_PER_VALUE[kv_types[0]] + KV_BYTES_PER_VALUE[kv_types[1]])
+    if ratio and c.indexer is not None:  # raw indexer keys per position, a block key per block (f32)
+        return int(kv + 4 * c.indexer.head_dim * (positions + positions // ratio))
     return int(kv + (positions // ratio * c.kv_size * 4 if ratio else 0))
 
 
@@ -218,8 +222,7 @@ def measure(model, cache, draft_device: str | None = None, draft_model=None, dra
         for layer, device in enumerate(part.devices):
             at(device).kv_bytes += part.layer_nbytes(layer)
         if part.recurrent is not None:
-            for tensors in zip(part.recurrent.conv, part.recurrent.state, part.recurrent.snap_conv,
-                               part.recurrent.snap_state):
+            for tensors in part.recurrent.stores:
                 at(tensors[0].device).kv_bytes += sum(t.nbytes for t in tensors)
     # Copies of the target's embedding table: its own, a tied lm_head, a detached draft's.
     tables = [model.embed, model.lm_head if model.config.tie_word_embeddings else None,

@@ -126,10 +126,31 @@ def write_tiny_model(config: dict, out: Path, seed: int = 0) -> Path:
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     hf = hf_config(config)
-    save_file(random_tensors(tensor_shapes(hf), seed), str(out / "model.safetensors"), metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps(hf.to_dict(), indent=2, sort_keys=True))
+    if hf.model_type in SAVED_BY_TRANSFORMERS:
+        save_randomised(hf, out, seed)
+    else:
+        save_file(random_tensors(tensor_shapes(hf), seed), str(out / "model.safetensors"), metadata={"format": "pt"})
+        (out / "config.json").write_text(json.dumps(hf.to_dict(), indent=2, sort_keys=True))
     write_tokenizer(out)
     return out
+
+
+# Models whose checkpoint layout differs from their modules' (per-expert tensors, sharded n-gram
+# tables, int64 hash constants): transformers' own save_pretrained writes them.
+SAVED_BY_TRANSFORMERS = ("qwen4_exp_text",)
+
+
+def save_randomised(hf: PretrainedConfig, out: Path, seed: int) -> None:
+    """transformers' model for `hf` with every floating parameter drawn as random_tensors draws it
+    (the zero-initialised ones included), saved by save_pretrained; buffers (the hash constants)
+    keep the values transformers computes."""
+    model = AutoModelForCausalLM.from_config(hf)
+    params = dict(model.named_parameters())
+    drawn = random_tensors({name: tuple(p.shape) for name, p in params.items()}, seed)
+    with torch.no_grad():
+        for name, p in params.items():
+            p.copy_(drawn[name])
+    model.save_pretrained(out)
 
 
 def main() -> None:

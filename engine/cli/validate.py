@@ -58,11 +58,32 @@ def _hybrid_lines(files: ModelFiles, c) -> list[str]:
     if c.attn_output_gate or c.rotary_dim < c.head_dim:
         lines.append(f"attention:    {'gated output, ' if c.attn_output_gate else ''}RoPE on {c.rotary_dim} of "
                      f"{c.head_dim} dims")
+    lines += _qwen4_exp_lines(c)
     if files.has_mtp:
         layer = "blk.N.nextn.*" if files.format == "gguf" else "mtp.*"
         lines.append(f"MTP:          {c.num_nextn_predict_layers} layer(s) of the model's own ({layer}): "
                      f"--spec-type draft-mtp drafts with them" + ("" if files.has_trunk else
                                                                    "; this file holds no trunk: give it as -md"))
+    return lines
+
+
+def _qwen4_exp_lines(c) -> list[str]:
+    """Qwen4-Exp's experts, residual streams, QSA indexer and n-gram embeddings."""
+    lines = []
+    if c.experts is not None:
+        e = c.experts
+        lines.append(f"experts:      {e.top_k} of {e.count} per token (width {e.intermediate}) and a shared expert "
+                     f"(width {e.shared_intermediate})")
+    if c.hc_count:
+        lines.append(f"residual:     {c.hc_count} streams, hyper-connections of rank {c.hc_lowrank}")
+    if c.indexer is not None:
+        x = c.indexer
+        lines.append(f"QSA indexer:  {x.heads} query heads x {x.head_dim}, blocks of {x.ratio}, budget {x.budget} "
+                     f"positions ({x.budget // x.ratio} blocks) on every attention layer")
+    if c.ngram is not None:
+        g = c.ngram
+        lines.append(f"n-grams:      layers {','.join(map(str, g.layers))}: 2..{g.ngram}-grams, {g.heads} hashed "
+                     f"heads, {g.embed_dim} wide, conv kernel {g.conv_kernel} dilated {g.ngram}")
     return lines
 
 

@@ -4,13 +4,18 @@ data is read."""
 from __future__ import annotations
 
 from engine.errors import ConfigError
-from engine.files.model_config import (FAMILIES, FULL_ATTENTION, LINEAR_ATTENTION, ROPE_KINDS, LinearAttention,
-                                       ModelConfig, RopeConfig)
+from engine.files.model_config import (FAMILIES, FULL_ATTENTION, LINEAR_ATTENTION, ROPE_KINDS, Experts, Indexer,
+                                       LinearAttention, ModelConfig, NgramEmbedding, RopeConfig)
 
 # GGUF's architecture names, where they differ from transformers' model_type.
 GGUF_ARCHS = {"qwen35": "qwen3_5"}
 # transformers' model_type of a text model inside a multimodal checkpoint's config.json.
-TEXT_MODEL_TYPES = {"qwen3_5_text": "qwen3_5"}
+TEXT_MODEL_TYPES = {"qwen3_5_text": "qwen3_5", "qwen4_exp_text": "qwen4_exp"}
+# Families whose layers are of several kinds (layer_types), a recurrent state beside attention.
+HYBRID = ("qwen3_5", "qwen4_exp")
+# Qwen4-Exp names its attention layers indexed_attention (the real checkpoint: full_attention); all
+# of them attend through the indexer when the config has one.
+INDEXED_ATTENTION = "indexed_attention"
 
 
 def _check(ok: bool, message: str) -> None:
@@ -48,7 +53,7 @@ def _rope_from_hf(d: dict) -> tuple[RopeConfig, float]:
 def _reject_sliding_window(d: dict, family: str) -> None:
     window = d.get("sliding_window")
     uses_window = d.get("use_sliding_window", window is not None)
-    if d.get("layer_types") and family != "qwen3_5":
+    if d.get("layer_types") and family not in HYBRID:
         kinds = set(d["layer_types"])
         _check(kinds <= {FULL_ATTENTION}, f"layer_types={sorted(kinds)}: only full_attention layers are supported")
     _check(not (uses_window and window is not None),
@@ -75,6 +80,7 @@ def _linear_from_hf(d: dict, layers: int) -> tuple[tuple[str, ...], LinearAttent
         interval = int(_get(d, "full_attention_interval", 4))
         _check(interval >= 1, f"full_attention_interval={interval}: must be >= 1")
         kinds = [LINEAR_ATTENTION if (i + 1) % interval else FULL_ATTENTION for i in range(layers)]
+    kinds = [FULL_ATTENTION if kind == INDEXED_ATTENTION else kind for kind in kinds]
     linear = LinearAttention(
         conv_kernel=int(_get(d, "linear_conv_kernel_dim", 4)), num_k_heads=int(_get(d, "linear_num_key_heads", 16)),
         num_v_heads=int(_get(d, "linear_num_value_heads", 32)), k_head_dim=int(_get(d, "linear_key_head_dim", 128)),
@@ -89,7 +95,9 @@ def from_hf_dict(d: dict) -> ModelConfig:
     family = TEXT_MODEL_TYPES.get(family, family)
     _check(family in FAMILIES, f"model_type={family!r}: unknown architecture (supported: {', '.join(FAMILIES)})")
     _reject_sliding_window(d, family)
-    for key in ("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size", "intermediate_size"):
+    qwen4 = family == "qwen4_exp"
+    for key in ("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size",
+                "moe_intermediate_size" if qwen4 else "intermediate_size"):
         _check(key in d, f"{key}: missing from config.json")
     hidden, heads = d["hidden_size"], d["num_attention_heads"]
     head_dim = d.get("head_dim")
@@ -100,12 +108,13 @@ def from_hf_dict(d: dict) -> ModelConfig:
     eos = d.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
     rope, partial = _rope_from_hf(d)
-    qwen3_5 = family == "qwen3_5"
-    _check(partial == 1.0 or qwen3_5, f"partial_rotary_factor={partial}: partial RoPE is not supported for {family}")
-    _check(not (qwen3_5 and d.get("attention_bias")), "attention_bias=True: not supported for qwen3_5")
-    kinds, linear = _linear_from_hf(d, d["num_hidden_layers"]) if qwen3_5 else ((), None)
+    hybrid = family in HYBRID
+    _check(partial == 1.0 or hybrid, f"partial_rotary_factor={partial}: partial RoPE is not supported for {family}")
+    _check(not (hybrid and d.get("attention_bias")), f"attention_bias=True: not supported for {family}")
+    kinds, linear = _linear_from_hf(d, d["num_hidden_layers"]) if hybrid else ((), None)
+    qwen4_keys = _qwen4_exp_from_hf(d, kinds) if qwen4 else {}
     return ModelConfig(
-        family=family, hidden_size=hidden, intermediate_size=d["intermediate_size"],
+        family=family, hidden_size=hidden, intermediate_size=d["moe_intermediate_size" if qwen4 else "intermediate_size"],
         num_layers=d["num_hidden_layers"], num_heads=heads,
         num_kv_heads=_get(d, "num_key_value_heads", heads), head_dim=head_dim, vocab_size=d["vocab_size"],
         rms_norm_eps=float(_get(d, "rms_norm_eps", 1e-6)), rope=rope,
@@ -113,12 +122,46 @@ def from_hf_dict(d: dict) -> ModelConfig:
         tie_word_embeddings=bool(_get(d, "tie_word_embeddings", False)),
         # transformers fixes q/k/v biases for Qwen2 (always) and Mistral (never), whatever the key says.
         attention_bias=family == "qwen2" or (family in ("llama", "qwen3") and bool(_get(d, "attention_bias", False))),
-        mlp_bias=bool(_get(d, "mlp_bias", False)), qk_norm=family in ("qwen3", "qwen3_5"),
+        mlp_bias=bool(_get(d, "mlp_bias", False)), qk_norm=family in ("qwen3", *HYBRID),
         bos_token_id=d.get("bos_token_id"), eos_token_ids=eos_ids,
-        layer_types=kinds, linear=linear, partial_rotary_factor=partial, attn_output_gate=qwen3_5,
-        compress_ratios=tuple(d.get("compress_ratios") or ()), qsa_budget=int(_get(d, "qsa_budget", 0)),
-        num_nextn_predict_layers=int(_get(d, "mtp_num_hidden_layers" if qwen3_5 else "num_nextn_predict_layers", 0)),
+        layer_types=kinds, linear=linear, partial_rotary_factor=partial, attn_output_gate=hybrid,
+        num_nextn_predict_layers=int(_get(d, "mtp_num_hidden_layers" if hybrid else "num_nextn_predict_layers", 0)),
+        **{"compress_ratios": tuple(d.get("compress_ratios") or ()), "qsa_budget": int(_get(d, "qsa_budget", 0)),
+           **qwen4_keys},
     )
+
+
+def _qwen4_exp_from_hf(d: dict, kinds) -> dict:
+    """Qwen4-Exp's experts, hyper-connections, indexer (its QSA: each attention layer a QSA layer
+    of the indexer's ratio and budget) and n-gram embeddings, as ModelConfig keys."""
+    out = dict(
+        experts=Experts(count=int(_get(d, "num_experts", 512)), top_k=int(_get(d, "num_experts_per_tok", 10)),
+                        intermediate=int(d["moe_intermediate_size"]),
+                        shared_intermediate=int(_get(d, "shared_expert_intermediate_size", 512)),
+                        norm_top_k=bool(_get(d, "norm_topk_prob", True))),
+        hc_count=int(_get(d, "hc_count", 4)), hc_lowrank=int(_get(d, "hc_lowrank", 320)),
+        linear_gate_act=_get(d, "output_gate_type", _get(d, "hidden_act", "silu")))
+    fields = ("indexer_n_heads", "indexer_head_dim", "indexer_budget", "indexer_compress_ratio")
+    given = [name for name in fields if d.get(name) is not None]
+    if given:
+        missing = [name for name in fields if name not in given]
+        _check(not missing, f"{', '.join(missing)}: missing from config.json (the QSA indexer needs all of {', '.join(fields)})")
+        _check(int(_get(d, "indexer_kv_heads", 1)) == 1, f"indexer_kv_heads={d.get('indexer_kv_heads')}: must be 1")
+        x = Indexer(heads=int(d["indexer_n_heads"]), head_dim=int(d["indexer_head_dim"]),
+                    budget=int(d["indexer_budget"]), ratio=int(d["indexer_compress_ratio"]))
+        _check(x.ratio > 0 and x.budget % x.ratio == 0,
+               f"indexer_budget={x.budget}: must be a multiple of indexer_compress_ratio={x.ratio}")
+        out.update(indexer=x, qsa_budget=x.budget,
+                   compress_ratios=tuple(0 if kind == LINEAR_ATTENTION else x.ratio for kind in kinds) +
+                   (0,) * int(_get(d, "mtp_num_hidden_layers", 0)))
+    layers = sorted(set(_get(d, "ple_layer_ids", [])))
+    if layers:
+        out["ngram"] = NgramEmbedding(layers=tuple(i - 1 for i in layers),
+                                      embed_dim=int(_get(d, "ple_embed_dim", d["hidden_size"])),
+                                      conv_kernel=int(_get(d, "ple_conv_kernel_size", 4)),
+                                      ngram=int(_get(d, "ngram_size", 3)),
+                                      heads_per_ngram=int(_get(d, "heads_per_ngram", 8)))
+    return out
 
 
 def _linear_from_gguf(key, trunk: int) -> tuple[tuple[str, ...], LinearAttention]:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, replace
 from engine.errors import ConfigError
 from engine.settings import CompressRatios
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_5")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_5", "qwen4_exp")
 ROPE_KINDS = ("default", "linear", "llama3", "yarn")
 # A layer's token mixer, as transformers' `layer_types` names it: softmax attention over a KV
 # cache, or a Gated DeltaNet (linear attention, a recurrent state per slot).
@@ -75,6 +75,52 @@ class LinearAttention:
 
 
 @dataclass(frozen=True)
+class Experts:
+    """A mixture-of-experts MLP (Qwen4-Exp): a router picks `top_k` of `count` experts per token
+    (softmax, then the top k, renormalised when norm_top_k), and a shared expert, scaled by a
+    sigmoid gate, adds to every token (docs/architecture.md, "Qwen4-Exp")."""
+    count: int
+    top_k: int
+    intermediate: int
+    shared_intermediate: int
+    norm_top_k: bool = True
+
+    def num_parameters(self, hidden: int) -> int:
+        return 3 * hidden * (self.count * self.intermediate + self.shared_intermediate) + hidden * (self.count + 1)
+
+
+@dataclass(frozen=True)
+class Indexer:
+    """Qwen4-Exp's QSA indexer: `heads` query heads and one key head of `head_dim`, scoring blocks
+    of `ratio` positions; a query keeps the `budget // ratio` best complete blocks and its tail."""
+    heads: int
+    head_dim: int
+    budget: int
+    ratio: int
+
+
+@dataclass(frozen=True)
+class NgramEmbedding:
+    """Qwen4-Exp's per-layer n-gram embeddings (PLE) on the linear-attention `layers` (0-based):
+    2..`ngram`-grams of the token ids hashed into `heads_per_ngram` tables each, `embed_dim` wide in
+    all, and a depthwise convolution of `conv_kernel` taps dilated by `ngram`."""
+    layers: tuple[int, ...]
+    embed_dim: int
+    conv_kernel: int
+    ngram: int
+    heads_per_ngram: int
+
+    @property
+    def heads(self) -> int:
+        return (self.ngram - 1) * self.heads_per_ngram
+
+    @property
+    def conv_tail(self) -> int:
+        """Past positions the dilated convolution reads."""
+        return (self.conv_kernel - 1) * self.ngram
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     family: str
     hidden_size: int
@@ -107,6 +153,15 @@ class ModelConfig:
     # MTP layers the model carries beside its trunk (Qwen3.5's `mtp_num_hidden_layers`, GGUF's
     # nextn_predict_layers); 0 for a model without.
     num_nextn_predict_layers: int = 0
+    # Qwen4-Exp: experts in place of the MLP; `hc_count` residual streams mixed by hyper-connections
+    # (rank `hc_lowrank`) in place of the layers' norms; the QSA indexer of its attention layers;
+    # n-gram embeddings; and the gated norm's activation in its linear-attention layers.
+    experts: Experts | None = None
+    hc_count: int = 0
+    hc_lowrank: int = 0
+    indexer: Indexer | None = None
+    ngram: NgramEmbedding | None = None
+    linear_gate_act: str = "silu"
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -145,17 +200,33 @@ class ModelConfig:
         """One trunk layer's weights (its mixer, its MLP and its norms); an MTP layer's block is an
         attention layer's."""
         h, i, q, kv = self.hidden_size, self.intermediate_size, self.q_size, self.kv_size
-        mlp = 3 * h * i + ((2 * i + h) if self.mlp_bias else 0)
+        mlp = self.experts.num_parameters(h) if self.experts else 3 * h * i + ((2 * i + h) if self.mlp_bias else 0)
+        # Two norms, or the hyper-connections of the mixer and of the MLP.
+        wide = self.hc_count * h
+        around = 2 * (wide + 2 * wide * self.hc_lowrank + wide * self.hc_count) if self.hc_count else 2 * h
         if layer < self.num_layers and self.is_recurrent(layer):
-            return self.linear.num_parameters(h) + mlp + 2 * h
+            return self.linear.num_parameters(h) + mlp + around + self._ngram_parameters(layer)
         q_out = 2 * q if self.attn_output_gate else q
         attn = h * q_out + 2 * h * kv + q * h + (q + 2 * kv if self.attention_bias else 0)
-        return attn + mlp + 2 * h + (2 * self.head_dim if self.qk_norm else 0)
+        x = self.indexer
+        index = h * (x.heads + 1) * x.head_dim + 2 * x.head_dim if x else 0
+        return attn + mlp + around + (2 * self.head_dim if self.qk_norm else 0) + index
+
+    def _ngram_parameters(self, layer: int) -> int:
+        """A PLE layer's projections, norms and convolution (its hashed tables are counted apart:
+        memory-mapped, read by row)."""
+        g = self.ngram
+        if g is None or layer not in g.layers:
+            return 0
+        wide = self.hc_count * self.hidden_size
+        return g.embed_dim * (wide + self.hidden_size) + 3 * wide + wide * g.conv_kernel
 
     def num_parameters(self) -> int:
         """The trunk's, with the embedding, lm_head and final norm (not the MTP layers)."""
         embed = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
-        return sum(map(self.layer_parameters, range(self.num_layers))) + embed + self.hidden_size
+        wide = self.hc_count * self.hidden_size
+        final = wide + 2 * wide * self.hc_lowrank if self.hc_count else self.hidden_size
+        return sum(map(self.layer_parameters, range(self.num_layers))) + embed + final
 
 def _check(ok: bool, message: str) -> None:
     if not ok:
@@ -187,6 +258,7 @@ def _validate(c: ModelConfig) -> None:
            f"dims, at least 2 (gives {c.rotary_dim})")
     _validate_layer_types(c)
     _validate_compression(c)
+    _validate_qwen4_exp(c)
 
 
 def _validate_layer_types(c: ModelConfig) -> None:
@@ -208,6 +280,34 @@ def _validate_layer_types(c: ModelConfig) -> None:
     _check(lin.num_v_heads % lin.num_k_heads == 0,
            f"linear_num_key_heads={lin.num_k_heads}: must divide linear_num_value_heads={lin.num_v_heads}")
     _check(lin.conv_kernel >= 2, f"linear_conv_kernel_dim={lin.conv_kernel}: must be >= 2")
+
+
+def _validate_qwen4_exp(c: ModelConfig) -> None:
+    if c.family != "qwen4_exp":
+        return
+    _check(c.hc_count > 1, f"hc_count={c.hc_count}: Qwen4-Exp needs more than one residual stream")
+    _check(c.hc_lowrank > 0, f"hc_lowrank={c.hc_lowrank}: must be > 0")
+    _check(c.linear_gate_act in ("silu", "sigmoid"), f"output_gate_type={c.linear_gate_act!r}: must be silu or sigmoid")
+    e = c.experts
+    _check(e is not None and e.count > 0, "num_experts: Qwen4-Exp needs a positive number of experts")
+    _check(0 < e.top_k <= e.count, f"num_experts_per_tok={e.top_k}: must be in [1, num_experts={e.count}]")
+    _check(e.intermediate > 0 and e.shared_intermediate > 0,
+           f"moe_intermediate_size={e.intermediate}, shared_expert_intermediate_size={e.shared_intermediate}: must be > 0")
+    x = c.indexer
+    if x is not None:
+        for name in ("heads", "head_dim", "budget", "ratio"):
+            _check(getattr(x, name) > 0, f"indexer {name}={getattr(x, name)}: must be > 0")
+        _check(c.rotary_dim <= x.head_dim,
+               f"indexer_head_dim={x.head_dim}: must hold the attention's {c.rotary_dim} rotary dims")
+    g = c.ngram
+    if g is not None:
+        _check(g.ngram >= 2 and g.heads_per_ngram > 0 and g.embed_dim % g.heads == 0,
+               f"ple_embed_dim={g.embed_dim}: must be a multiple of the {g.heads} n-gram heads "
+               f"((ngram_size - 1) * heads_per_ngram, ngram_size >= 2)")
+        for layer in g.layers:
+            _check(0 <= layer < c.num_layers and c.is_recurrent(layer),
+                   f"ple_layer_ids: layer {layer + 1} must be a linear_attention layer in [1, {c.num_layers}]")
+        _check(bool(c.eos_token_ids), "eos_token_id: must be set when Qwen4-Exp has PLE layers")
 
 
 def _validate_compression(c: ModelConfig) -> None:
@@ -240,7 +340,12 @@ def with_compression(c: ModelConfig, override: CompressRatios | None, budget: in
                      draft_ratios: tuple[int, ...] = ()) -> tuple[ModelConfig, tuple[int, ...]]:
     """The target's config with --compress-ratios and --qsa-budget applied, and the detached draft's
     layer ratios (its file's, unless the list form gives them after the trunk's). The trunk and the
-    draft are checked together: they share one ratio and the budget."""
+    draft are checked together: they share one ratio and the budget. A model with its own QSA
+    indexer (Qwen4-Exp) takes neither flag: its ratio and budget are what it was trained with."""
+    if c.indexer is not None and (override is not None or budget is not None):
+        flag = "compress_ratios" if override is not None else "qsa_budget"
+        raise ConfigError(f"{flag}: this model's QSA is its indexer's (indexer_compress_ratio={c.indexer.ratio}, "
+                          f"indexer_budget={c.indexer.budget}); the flag applies to models without one")
     n = c.num_layers
     trunk = c.layer_ratios
     if override is not None:
@@ -269,14 +374,22 @@ def cache_bytes_per_position(config: ModelConfig, bytes_per_value: float) -> dic
             continue
         kind = f"qsa r={ratio}" if ratio else "dense"
         layers = out.get(kind, (0, 0.0, 0.0))[0] + 1
-        out[kind] = (layers, 2 * config.kv_size * bytes_per_value, config.kv_size * 4 / ratio if ratio else 0.0)
+        pool = config.kv_size * 4 / ratio if ratio else 0.0
+        if ratio and config.indexer is not None:  # the indexer's raw key, and a block key per ratio positions
+            pool = config.indexer.head_dim * 4 * (1 + 1 / ratio)
+        out[kind] = (layers, 2 * config.kv_size * bytes_per_value, pool)
     return out
 
 
 def recurrent_state_bytes(config: ModelConfig) -> int:
     """One slot's state in every linear-attention layer: f32 recurrent state and convolution tail
     (one position's; engine/model/recurrent_cache.py keeps a few positions' per slot)."""
-    return 4 * config.linear.state_values * config.recurrent_layers if config.linear else 0
+    if config.linear is None:
+        return 0
+    g, ngram = config.ngram, 0
+    if g is not None:  # each n-gram layer's last n-1 token ids and its convolution's inputs
+        ngram = len(g.layers) * (8 * (g.ngram - 1) + 4 * g.conv_tail * config.hc_count * config.hidden_size)
+    return 4 * config.linear.state_values * config.recurrent_layers + ngram
 
 
 def describe_rope(rope: RopeConfig) -> str:

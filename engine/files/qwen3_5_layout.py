@@ -84,7 +84,8 @@ def _offset_norm(name: str) -> bool:
 
 
 def adapt_hf(name: str, tensor: torch.Tensor) -> torch.Tensor:
-    """An HF checkpoint's tensor (under tandem's name, f32) in the form tandem computes with."""
+    """An HF checkpoint's tensor (under tandem's name) in the form tandem computes with, f32."""
+    tensor = tensor.float()
     if _offset_norm(name):
         return 1.0 + tensor
     if name.endswith(".linear_attn.A"):

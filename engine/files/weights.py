@@ -19,7 +19,7 @@ import torch
 
 from engine.errors import ConfigError, WeightsError
 from engine.files.disk_cache import cache_path, partial_path
-from engine.files import qwen3_5_layout
+from engine.files import qwen3_5_layout, qwen4_exp_layout
 from engine.files.config_readers import from_gguf_metadata, from_hf_dict
 from engine.files.model_config import ModelConfig
 from engine.ops.blocks import GGUF_TYPES, BlockTensor
@@ -98,6 +98,8 @@ class ModelFiles:
         c = self.config
         if c.family == "qwen3_5":
             return qwen3_5_layout.trunk_shapes(c)
+        if c.family == "qwen4_exp":
+            return qwen4_exp_layout.trunk_shapes(c, self.shapes)
         h, q, kv, i = c.hidden_size, c.q_size, c.kv_size, c.intermediate_size
         out = {"model.embed_tokens.weight": (c.vocab_size, h), "model.norm.weight": (h,)}
         if not c.tie_word_embeddings:
@@ -126,7 +128,7 @@ class ModelFiles:
     @property
     def has_trunk(self) -> bool:
         """Whether the file holds the trunk's layers (an MTP-only GGUF holds its MTP layer alone)."""
-        return "model.layers.0.input_layernorm.weight" in self.shapes
+        return any(name.startswith("model.layers.0.") for name in self.shapes)
 
     @property
     def has_mtp(self) -> bool:
@@ -230,8 +232,8 @@ def _open_hf(path: Path) -> ModelFiles:
     for f in files:
         for name, info in _safetensors_header(f).items():
             name = _tandem_name(name, config.family)
-            shapes[name] = qwen3_5_layout.hf_shape(name, tuple(info["shape"])) if config.family == "qwen3_5" \
-                else tuple(info["shape"])
+            layout = HF_LAYOUTS.get(config.family)
+            shapes[name] = layout.hf_shape(name, tuple(info["shape"])) if layout else tuple(info["shape"])
     return ModelFiles(path, "hf", config, shapes)
 
 
@@ -312,9 +314,13 @@ def _open_gguf_version(path: Path, size: int, mtime_ns: int) -> ModelFiles:
     return ModelFiles(path, "gguf", config, shapes, gguf_tensors=tensors, stored=stored)
 
 
+# Families whose HF checkpoints tandem reads through a layout (names, shapes, values adapted).
+HF_LAYOUTS = {"qwen3_5": qwen3_5_layout, "qwen4_exp": qwen4_exp_layout}
+
+
 def _tandem_name(name: str, family: str) -> str:
-    """An HF checkpoint's tensor name as tandem reads it (transformers' own, but for Qwen3.5's)."""
-    return qwen3_5_layout.hf_name(name) if family == "qwen3_5" else name
+    """An HF checkpoint's tensor name as tandem reads it (transformers' own, but for the layouts')."""
+    return HF_LAYOUTS[family].hf_name(name) if family in HF_LAYOUTS else name
 
 
 def _load_safetensors(path: Path, names: dict, family: str) -> dict[str, torch.Tensor]:
@@ -325,8 +331,8 @@ def _load_safetensors(path: Path, names: dict, family: str) -> dict[str, torch.T
             for stored in st.keys():
                 name = _tandem_name(stored, family)
                 if name in names:
-                    tensor = st.get_tensor(stored).float()
-                    out[name] = qwen3_5_layout.adapt_hf(name, tensor) if family == "qwen3_5" else tensor
+                    tensor = st.get_tensor(stored)
+                    out[name] = HF_LAYOUTS[family].adapt_hf(name, tensor) if family in HF_LAYOUTS else tensor.float()
     return out
 
 

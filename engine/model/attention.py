@@ -15,6 +15,7 @@ from engine.files.model_config import ModelConfig
 from engine.model import qsa
 from engine.model.batch import ForwardBatch
 from engine.model.fused import fused_linear
+from engine.model.indexer import Indexer
 from engine.model.kv_cache import KVCache
 from engine.model.norm import RMSNorm
 from engine.model.layer_spec import LayerSpec
@@ -34,12 +35,15 @@ def gated_qkv(t: dict, p: str, c: ModelConfig, dtype: str) -> Linear:
 
 
 class Attention(nn.Module):
-    def __init__(self, c: ModelConfig, t: dict, p: str, dtype: str, spec: LayerSpec):
+    def __init__(self, c: ModelConfig, t: dict, p: str, dtype: str, spec: LayerSpec,
+                 rope: tuple[torch.Tensor, torch.Tensor] | None = None):
+        """rope: the model's cos and sin tables, which a layer with its model's QSA indexer reads."""
         super().__init__()
         self.spec = spec
+        self.indexer = Indexer(c, t, p + "indexer.", dtype, *rope) if spec.index_dim else None
         self.gated = c.attn_output_gate
         self.qkv_proj = gated_qkv(t, p, c, dtype) if self.gated else \
-            fused_linear(t, p[:-len("self_attn.")], "self_attn.qkv_proj", c.attention_bias, dtype)
+            fused_linear(t, [p + "q_proj", p + "k_proj", p + "v_proj"], c.attention_bias, dtype)
         self.o_proj = Linear(t[p + "o_proj.weight"], None, dtype)
         cdt = compute_dtype(dtype)
         self.q_norm = RMSNorm(t[p + "q_norm.weight"], c.rms_norm_eps, cdt) if c.qk_norm else None
@@ -68,6 +72,8 @@ class Attention(nn.Module):
             out[i] = kernels.decode_attention(q[i], store.k, store.v, slots, positions + 1, self.head_dim ** -0.5,
                                               pages=store.pages, k_scale=store.k_scale, v_scale=store.v_scale)
         cache_dtype = cache.k[layer].dtype
+        if self.indexer is not None:
+            index_q, index_k = self.indexer.project(x, cos, sin)
         offset = 0
         for row, mask in zip(batch.rows, batch.masks):
             t = len(row.tokens)
@@ -78,7 +84,10 @@ class Attention(nn.Module):
             cache.write(layer, row.slot, row.start, k[sl].transpose(0, 1).to(cache_dtype),
                         v[sl].transpose(0, 1).to(cache_dtype))
             keys, values = cache.read(layer, row.slot, row.start + t)
-            if self.spec.is_qsa:
+            if self.indexer is not None:
+                keys, values, mask = self._indexed(index_q[sl], index_k[sl], batch.rope[sl], row, keys, values,
+                                                   cache, layer)
+            elif self.spec.is_qsa:
                 pool = cache.read_pool(layer, row.slot, (row.start + t) // self.spec.ratio)
                 keys, values, mask = qsa.sparse_keys(q[sl], keys, values, pool, batch.rope[sl], self.spec, mask)
             out[sl] = self._attend(q[sl], keys.to(q.dtype), values.to(q.dtype), mask)
@@ -87,6 +96,24 @@ class Attention(nn.Module):
         if self.gated:
             out = out * torch.sigmoid(qkv[:, heads + 2 * self.kv_heads:])
         return self.o_proj(out.view(n, heads * self.head_dim))
+
+    def _indexed(self, q, raw, positions, row, keys, values, cache: KVCache, layer: int):
+        """A row of an indexed layer: its raw indexer keys raw [T, index_dim] and the keys of the
+        blocks it completes written; (keys, values, mask) its queries q [T, heads, index_dim] at
+        `positions` attend. A single query reads only its selected keys."""
+        x, start, end = self.indexer, row.start, row.start + len(row.tokens)
+        cache.write_index_keys(layer, row.slot, start, raw)
+        first, last = start // x.ratio, end // x.ratio
+        if last > first:
+            cache.write_index_blocks(layer, row.slot, first,
+                                     x.pool(cache.read_index_keys(layer, row.slot, first * x.ratio, last * x.ratio), first))
+        allowed = x.allowed(q, cache.read_index_blocks(layer, row.slot, last), positions, end)
+        if len(positions) > 1:
+            return keys, values, allowed
+        if bool(allowed.all()):
+            return keys, values, None
+        index = allowed[0].nonzero()[:, 0]
+        return keys[:, index], values[:, index], None
 
     def _probe(self, q, k, batch: ForwardBatch, cache: KVCache, layer: int) -> None:
         """Hand the probed rows' q and k, and the keys they attended, to their probes when this

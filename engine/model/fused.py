@@ -13,8 +13,8 @@ FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_at
          "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
 
 
-def fused_linear(t: dict, p: str, fused: str, with_bias: bool, dtype: str) -> Linear:
-    parts = [p + name for name in FUSED[fused]]
+def fused_linear(t: dict, parts: list[str], with_bias: bool, dtype: str) -> Linear:
+    """One Linear of the checkpoint's projections `parts` (full names, without `.weight`)."""
     weight = blocks.cat_rows([t[n + ".weight"] for n in parts])  # blocks run along the input: rows stack
     bias = torch.cat([t[n + ".bias"] for n in parts]) if with_bias else None
     return Linear(weight, bias, dtype, parts=len(parts))

@@ -46,7 +46,7 @@ class GatedDeltaNet(nn.Module):
         self.register_buffer("conv_weight", t[p + "conv1d.weight"].float().contiguous())  # [conv_dim, kernel]
         self.register_buffer("A", t[p + "A"].float())  # -exp(A_log), [v_heads]
         self.register_buffer("dt_bias", t[p + "dt_bias"].float())
-        self.norm = GatedRMSNorm(t[p + "norm.weight"], c.rms_norm_eps)
+        self.norm = GatedRMSNorm(t[p + "norm.weight"], c.rms_norm_eps, c.linear_gate_act)
         self.out_proj = Linear(t[p + "out_proj.weight"], None, dtype)
         # The key head each value head reads.
         group = lin.num_v_heads // lin.num_k_heads

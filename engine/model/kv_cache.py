@@ -117,6 +117,11 @@ def _attention_storage(specs, devices, make) -> list:
     return [None if spec.is_recurrent else make(device) for spec, device in zip(specs, devices)]
 
 
+def _pools_keys(spec: LayerSpec) -> bool:
+    """Whether the layer keeps tandem's pooled attention keys (a QSA layer without its model's indexer)."""
+    return spec.is_qsa and not spec.index_dim
+
+
 def _specs(specs: Sequence[LayerSpec] | None, num_layers: int) -> list[LayerSpec]:
     specs = list(specs) if specs is not None else [DENSE] * num_layers
     assert len(specs) == num_layers, f"{len(specs)} layer specs for {num_layers} layers"
@@ -136,6 +141,34 @@ class _Stores:
     v: list
     kpool: list
     recurrent: RecurrentCache | None = None
+
+    def _index_stores(self, rows: int) -> None:
+        """An indexed QSA layer's raw indexer keys, [rows, index_dim] f32 by the flat position row
+        `_rows` gives, and its block keys, [rows // ratio, index_dim] by a block's first row // ratio;
+        None for other layers."""
+        self.ikeys = [torch.zeros(rows, spec.index_dim, device=device) if spec.index_dim else None
+                      for spec, device in zip(self.specs, self.devices)]
+        self.iblocks = [torch.zeros(rows // spec.ratio, spec.index_dim, device=device) if spec.index_dim else None
+                        for spec, device in zip(self.specs, self.devices)]
+
+    def write_index_keys(self, layer: int, slot: int, start: int, keys: torch.Tensor) -> None:
+        """Raw indexer keys [T, index_dim] of positions start .. start+T-1 of the slot."""
+        self.ikeys[layer][self._rows(slot, start, start + keys.shape[0])] = keys.float()
+
+    def read_index_keys(self, layer: int, slot: int, start: int, end: int) -> torch.Tensor:
+        return self.ikeys[layer][self._rows(slot, start, end)]
+
+    def write_index_blocks(self, layer: int, slot: int, first: int, keys: torch.Tensor) -> None:
+        """Block keys [B, index_dim] of the slot's blocks first .. first+B-1."""
+        self.iblocks[layer][self._block_rows(layer, slot, first, first + keys.shape[0])] = keys.float()
+
+    def read_index_blocks(self, layer: int, slot: int, blocks: int) -> torch.Tensor:
+        """[blocks, index_dim]: the slot's first block keys."""
+        return self.iblocks[layer][self._block_rows(layer, slot, 0, blocks)]
+
+    def _block_rows(self, layer: int, slot: int, first: int, last: int) -> torch.Tensor:
+        r = self.specs[layer].ratio
+        return self._rows(slot, first * r, last * r)[::r] // r
 
     def reusable(self, slot: int, length: int, with_hidden: bool = False) -> int:
         """The longest prefix of the slot, at most `length`, a request can resume from: any length
@@ -175,7 +208,7 @@ class _Stores:
                 if store is not None:
                     _copy(store, a, b)
         for layer, spec in enumerate(self.specs):
-            if spec.is_qsa and (dst + 1) % spec.ratio == 0:
+            if _pools_keys(spec) and (dst + 1) % spec.ratio == 0:
                 self._pool_blocks(layer, slot, dst, dst + 1)
 
     @property
@@ -189,11 +222,12 @@ class _Stores:
 
     @property
     def kpool_nbytes(self) -> int:
-        return _nbytes(self.kpool)
+        """QSA layers' keys beside K/V: tandem's pooled keys, or an indexer's raw and block keys."""
+        return _nbytes(self.kpool + self.ikeys + self.iblocks)
 
     def layer_nbytes(self, layer: int) -> int:
-        """The layer's K, V and pooled keys (a recurrent layer's states are the RecurrentCache's)."""
-        return _nbytes([self.k[layer], self.v[layer], self.kpool[layer]])
+        """The layer's K, V and QSA keys (a recurrent layer's states are the RecurrentCache's)."""
+        return _nbytes([self.k[layer], self.v[layer], self.kpool[layer], self.ikeys[layer], self.iblocks[layer]])
 
 
 class KVCache(_Stores):
@@ -214,13 +248,18 @@ class KVCache(_Stores):
         self.v = _attention_storage(self.specs, self.devices, lambda device: _storage(shape, v_dtype or dtype, device))
         # [slots, kv_heads, ctx // ratio, head_dim] f32 for a QSA layer; None for a dense one.
         self.kpool = [torch.zeros(num_slots, kv_heads, ctx_per_slot // spec.ratio, head_dim, device=device)
-                      if spec.is_qsa else None for spec, device in zip(self.specs, self.devices)]
+                      if _pools_keys(spec) else None for spec, device in zip(self.specs, self.devices)]
         self.num_slots = num_slots
         self.ctx_per_slot = ctx_per_slot
+        self._index_stores(num_slots * ctx_per_slot)
 
     @property
     def capacity(self) -> int:
         return self.num_slots * self.ctx_per_slot
+
+    def _rows(self, slot: int, start: int, end: int) -> torch.Tensor:
+        """Flat rows (slot-major) of the slot's positions start .. end-1."""
+        return slot * self.ctx_per_slot + torch.arange(start, end)
 
     def _at(self, slot: int, position: int) -> tuple:
         """The index of a slot's position in every layer's storage."""
@@ -332,8 +371,8 @@ class PagedKVCache(_Stores):
         self.k = _attention_storage(self.specs, self.devices, lambda device: _storage(shape, dtype, device))
         self.v = _attention_storage(self.specs, self.devices, lambda device: _storage(shape, v_dtype or dtype, device))
         # [kv_heads, pool positions // ratio, head_dim] f32, indexed by pool row // ratio (QSA layers).
-        self.kpool = [torch.zeros(kv_heads, shape[1] // spec.ratio, head_dim, device=device) if spec.is_qsa else None
-                      for spec, device in zip(self.specs, self.devices)]
+        self.kpool = [torch.zeros(kv_heads, shape[1] // spec.ratio, head_dim, device=device) if _pools_keys(spec)
+                      else None for spec, device in zip(self.specs, self.devices)]
         self.pool = PagePool(num_pages, PAGE_SIZE, num_slots)
         self.num_slots = num_slots
         self.ctx_per_slot = num_pages * PAGE_SIZE  # any one slot may fill the whole pool
@@ -341,6 +380,11 @@ class PagedKVCache(_Stores):
         self._base: list[int | None] = [None] * num_slots  # first pool row when the pages are contiguous
         # The kernels' page table: row s's first len(pool.pages[s]) entries are slot s's pages.
         self.page_table = torch.zeros(num_slots, num_pages, dtype=torch.long)
+        self._index_stores(num_pages * PAGE_SIZE)
+
+    def _rows(self, slot: int, start: int, end: int) -> torch.Tensor:
+        """Pool rows of the slot's positions start .. end-1 (reserved by ensure)."""
+        return self._index[slot][start:end]
 
     @property
     def capacity(self) -> int:
@@ -472,5 +516,8 @@ def recurrent_cache(model: ModelConfig, specs: Sequence[LayerSpec], devices: Seq
     layers = list(layers if layers is not None else range(len(specs)))
     own = [(i, layer, device) for i, (layer, spec, device) in enumerate(zip(layers, specs, devices))
            if spec.is_recurrent]
+    ngram = model.ngram
     return RecurrentCache([i for i, _, _ in own], slots, model.linear, steps, model.hidden_size,
-                          [device for _, _, device in own])
+                          [device for _, _, device in own], ngram,
+                          [i for i, layer, _ in own if ngram is not None and layer in ngram.layers],
+                          max(model.hc_count, 1))

@@ -24,15 +24,33 @@ class RMSNorm(nn.Module):
         return self.weight * F.rms_norm(x.float(), x.shape[-1:], eps=self.eps).to(x.dtype)
 
 
-class GatedRMSNorm(nn.Module):
-    """weight * x / rms(x) * silu(gate), per head of a linear-attention layer's output, in f32 as
-    transformers' Qwen3_5RMSNormGated computes it. x, gate: [..., head_dim]."""
+class GroupedRMSNorm(RMSNorm):
+    """RMSNorm over each group of `size` values of x [..., groups * size], then scaled by weight
+    [groups * size]: Qwen4-Exp's norm of its residual streams, each normed alone."""
 
-    def __init__(self, weight: torch.Tensor, eps: float):
+    def __init__(self, weight: torch.Tensor, size: int, eps: float, dtype: torch.dtype):
+        super().__init__(weight, eps, dtype)
+        self.size = size
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        groups = x.float().unflatten(-1, (-1, self.size))
+        return self.weight * F.rms_norm(groups, (self.size,), eps=self.eps).flatten(-2).to(x.dtype)
+
+
+GATE_ACTIVATIONS = {"silu": F.silu, "sigmoid": torch.sigmoid}
+
+
+class GatedRMSNorm(nn.Module):
+    """weight * x / rms(x) * act(gate), per head of a linear-attention layer's output, in f32 as
+    transformers' Qwen3_5RMSNormGated computes it; act is SiLU (Qwen3.5) or the model's
+    output_gate_type (Qwen4-Exp). x, gate: [..., head_dim]."""
+
+    def __init__(self, weight: torch.Tensor, eps: float, activation: str = "silu"):
         super().__init__()
         self.register_buffer("weight", weight.float())
         self.eps = eps
+        self.activation = GATE_ACTIVATIONS[activation]
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
-        return (self.weight * normed.to(x.dtype) * F.silu(gate.float())).to(x.dtype)
+        return (self.weight * normed.to(x.dtype) * self.activation(gate.float())).to(x.dtype)

@@ -22,17 +22,20 @@ from typing import Sequence
 
 import torch
 
-from engine.files.model_config import LinearAttention
+from engine.files.model_config import LinearAttention, NgramEmbedding
 
 SNAPSHOTS = 2  # per slot: where the last request's prompt ended, and where its answer ended
 
 
 class RecurrentCache:
     def __init__(self, layers: Sequence[int], num_slots: int, linear: LinearAttention, steps: int, hidden: int,
-                 devices: Sequence[torch.device | str] | None = None):
+                 devices: Sequence[torch.device | str] | None = None, ngram: NgramEmbedding | None = None,
+                 ngram_layers: Sequence[int] = (), streams: int = 1):
         """layers: the model's linear-attention layer indices (their storage sits on `devices`, one
         per such layer, default the CPU); steps: states kept per slot, at least the longest row a
-        step writes token by token (1 + the verify rows)."""
+        step writes token by token (1 + the verify rows). ngram_layers: those of them with n-gram
+        embeddings (Qwen4-Exp), whose state is their last n-1 token ids and their convolution's
+        inputs, [streams * hidden] each."""
         devices = [torch.device(d) for d in devices] if devices is not None else [torch.device("cpu")] * len(layers)
         self.layers = {layer: j for j, layer in enumerate(layers)}
         self.linear, self.steps, self.num_slots = linear, steps, num_slots
@@ -45,13 +48,28 @@ class RecurrentCache:
         self.snap_state = [torch.zeros(num_slots, SNAPSHOTS, *state, device=d) for d in devices]
         self.snap_hidden = torch.zeros(num_slots, SNAPSHOTS, hidden)
         self._zero = [(torch.zeros(tail, device=d), torch.zeros(state, device=d)) for d in devices]
+        # Per n-gram layer: [slots, steps, n-1] token ids and [slots, steps, conv tail, streams * hidden].
+        self.ngram_ids, self.ngram_conv, self._ngram_zero = {}, {}, {}
+        if ngram_layers:
+            ids, tail = (ngram.ngram - 1,), (ngram.conv_tail, streams * hidden)
+            for layer in ngram_layers:
+                d = devices[layers.index(layer)]
+                self.ngram_ids[layer] = torch.zeros(num_slots, steps, *ids, dtype=torch.long, device=d)
+                self.ngram_conv[layer] = torch.zeros(num_slots, steps, *tail, device=d)
+                self._ngram_zero[layer] = torch.zeros(tail, device=d)
+        # Every per-position store [slots, steps, ...] with its snapshots' copy [slots, SNAPSHOTS, ...].
+        current = self.conv + self.state + list(self.ngram_ids.values()) + list(self.ngram_conv.values())
+        snapshots = self.snap_conv + self.snap_state + [
+            torch.zeros(num_slots, SNAPSHOTS, *t.shape[2:], dtype=t.dtype, device=t.device)
+            for t in current[len(self.conv) + len(self.state):]]
+        self.stores = list(zip(current, snapshots))
         self.tags = [[-1] * steps for _ in range(num_slots)]  # the position each entry holds, -1: none
         self.snap_lengths = [[-1] * SNAPSHOTS for _ in range(num_slots)]  # -1: unused
         self.snap_hidden_set = [[False] * SNAPSHOTS for _ in range(num_slots)]
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * 4 for t in self.conv + self.state + self.snap_conv + self.snap_state)
+        return sum(t.numel() * t.element_size() for pair in self.stores for t in pair)
 
     def per_token(self, tokens: int) -> bool:
         """Whether a row of this many tokens is computed token by token, keeping every position's state."""
@@ -71,6 +89,21 @@ class RecurrentCache:
         j, e = self.layers[layer], position % self.steps
         self.conv[j][slot, e] = conv
         self.state[j][slot, e] = state
+
+    def read_ngram(self, layer: int, slot: int, length: int) -> torch.Tensor | None:
+        """An n-gram layer's last n-1 token ids of the slot's first `length` positions; None before
+        the first."""
+        return None if length == 0 else self.ngram_ids[layer][slot, (length - 1) % self.steps]
+
+    def read_ngram_conv(self, layer: int, slot: int, length: int) -> torch.Tensor:
+        """An n-gram layer's convolution inputs before position `length` [tail, streams * hidden]."""
+        return self._ngram_zero[layer] if length == 0 else self.ngram_conv[layer][slot, (length - 1) % self.steps]
+
+    def write_ngram(self, layer: int, slot: int, position: int, ids: torch.Tensor, conv: torch.Tensor) -> None:
+        """An n-gram layer's state after `position` of the slot."""
+        e = position % self.steps
+        self.ngram_ids[layer][slot, e] = ids
+        self.ngram_conv[layer][slot, e] = conv
 
     def _written(self, start: int, tokens: int):
         """The positions whose states a row keeps."""
@@ -116,9 +149,8 @@ class RecurrentCache:
             return
         s = lengths.index(length)  # the scheduler truncates only to a reusable length
         e = (length - 1) % self.steps
-        for j in range(len(self.layers)):
-            self.conv[j][slot, e] = self.snap_conv[j][slot, s]
-            self.state[j][slot, e] = self.snap_state[j][slot, s]
+        for current, snapshots in self.stores:
+            current[slot, e] = snapshots[slot, s]
         self.tags[slot][e] = length - 1
 
     def checkpoint(self, slot: int, length: int, hidden: torch.Tensor | None = None) -> None:
@@ -130,9 +162,8 @@ class RecurrentCache:
             return
         s = lengths.index(-1) if -1 in lengths else min(range(SNAPSHOTS), key=lambda i: lengths[i])
         e = (length - 1) % self.steps
-        for j in range(len(self.layers)):
-            self.snap_conv[j][slot, s] = self.conv[j][slot, e]
-            self.snap_state[j][slot, s] = self.state[j][slot, e]
+        for current, snapshots in self.stores:
+            snapshots[slot, s] = current[slot, e]
         lengths[s] = length
         self.snap_hidden_set[slot][s] = hidden is not None
         if hidden is not None:

@@ -22,6 +22,7 @@ from engine.model.kv_cache import KernelView, KVCache
 from engine.model.layer_spec import LayerSpec, trunk_specs
 from engine.model.mlp import MLP
 from engine.model.norm import RMSNorm
+from engine.model.qwen4_exp import Qwen4ExpLayer, StreamMixer
 from engine.model.rope import rope_table
 from engine.ops import kernels
 from engine.ops.arena import move_to_huge_pages
@@ -86,6 +87,8 @@ def fused_layers(layers: list[DecoderLayer], x: torch.Tensor, batch: ForwardBatc
     q to the probe): those run module by module. QSA layers take the call too, with their specs
     and the cache's pooled keys, and linear-attention layers with their states. cos, sin: [N, R],
     R the rotary dims."""
+    if not all(isinstance(layer, DecoderLayer) for layer in layers):  # a family of its own layer (Qwen4-Exp)
+        return None
     attention = [layer for layer in layers if layer.self_attn is not None]
     recurrent = len(attention) < len(layers)
     if not kernels.usable(x) or batch.probes is not None or len(batch.slots) != batch.num_tokens \
@@ -174,8 +177,18 @@ class Transformer(nn.Module):
         self.compute_dtype = compute_dtype(dtype)
         self.placement = placement or Placement.single(config.num_layers)
         ranges = self.placement.stage_ranges()
+        # Kept on the CPU, indexed by the step's positions there; each stage takes its rows along.
+        cos, sin = rope_table(config.rope, config.rotary_dim, max_positions or config.max_position_embeddings)
+        self.register_buffer("cos", cos.to(self.compute_dtype))
+        self.register_buffer("sin", sin.to(self.compute_dtype))
+
+        def layer(i: int, spec: LayerSpec) -> nn.Module:
+            if config.family == "qwen4_exp":
+                return Qwen4ExpLayer(config, tensors, i, dtype, spec, (self.cos, self.sin))
+            return DecoderLayer(config, tensors, i, dtype, spec)
+
         self.stages = nn.ModuleList(
-            Stage([DecoderLayer(config, tensors, i, dtype, spec) for i, spec in zip(layers, trunk_specs(config, layers))],
+            Stage([layer(i, spec) for i, spec in zip(layers, trunk_specs(config, layers))],
                   device, s == 0, s == len(ranges) - 1)
             for s, (device, layers) in enumerate(zip(self.placement.devices, ranges)))
         first, last = self.stages[0].device, self.stages[-1].device
@@ -186,11 +199,9 @@ class Transformer(nn.Module):
         # format, so that it embeds exactly what the unsplit model does.
         tied_here = config.tie_word_embeddings and first == last
         self.embed = None if tied_here else embedding_table(config, tensors, dtype).to(first)
-        self.norm = RMSNorm(tensors["model.norm.weight"], config.rms_norm_eps, self.compute_dtype).to(last)
-        # Kept on the CPU, indexed by the step's positions there; each stage takes its rows along.
-        cos, sin = rope_table(config.rope, config.rotary_dim, max_positions or config.max_position_embeddings)
-        self.register_buffer("cos", cos.to(self.compute_dtype))
-        self.register_buffer("sin", sin.to(self.compute_dtype))
+        # The final norm, or a model's mixer of its residual streams into one.
+        self.norm = (StreamMixer(config, tensors, dtype) if config.hc_count else
+                     RMSNorm(tensors["model.norm.weight"], config.rms_norm_eps, self.compute_dtype)).to(last)
         move_to_huge_pages(self)
 
     @property
@@ -220,6 +231,8 @@ class Transformer(nn.Module):
         """The batch embedded and run through `stages` (all, or a pipeline head's own), writing their
         K/V: hidden states before the final norm, [N, hidden], where the last of them leaves them."""
         x = self.embed_tokens(batch.token_ids)
+        if self.config.hc_count:  # every residual stream starts as the embedding
+            x = x.repeat(1, self.config.hc_count)
         cos, sin = self.cos[batch.rope], self.sin[batch.rope]
         cache.begin_rows(batch.rows)
         for stage in stages:

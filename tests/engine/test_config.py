@@ -75,7 +75,7 @@ def test_kv_heads_must_divide_heads(tiny_dirs, tmp_path):
 
 def test_unknown_architecture_is_refused(tiny_dirs, tmp_path):
     path = copy_with(tiny_dirs["llama"], tmp_path / "m", model_type="gpt2")
-    assert open_error(path) == "model_type='gpt2': unknown architecture (supported: llama, mistral, qwen2, qwen3, qwen3_5)"
+    assert open_error(path) == "model_type='gpt2': unknown architecture (supported: llama, mistral, qwen2, qwen3, qwen3_5, qwen4_exp)"
 
 
 def test_unsupported_rope_scaling_is_refused(tiny_dirs, tmp_path):

@@ -43,7 +43,7 @@ ROPE_CASES = {
 }
 CASES = {
     **{name: Case(tiny_config(name)) for name in ("llama", "qwen2", "qwen3", "mistral", "hd160", "explicit_hd",
-                                                  "qwen3_5")},
+                                                  "qwen3_5", "qwen4_exp")},
     "gqa_16_heads_8_kv": Case(tiny_config("llama", hidden_size=256, num_attention_heads=16, num_key_value_heads=8)),
     **ROPE_CASES,
 }

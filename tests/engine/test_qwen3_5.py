@@ -1,8 +1,10 @@
-"""Qwen3.5 (Gated DeltaNet layers beside gated attention) gives transformers' logits through every
-path a served request takes: a whole prompt, prompt chunks computed in chunks or token by token,
-decode, a verify block whose rejected drafts are rolled back, slots side by side, and a prefix
-resumed from a snapshot of its recurrent state. The tiny checkpoint randomises every parameter,
-the (1 + w) norms' offsets, the decay parameters and the convolution included (engine/cli/tiny.py)."""
+"""The hybrid families (Qwen3.5: Gated DeltaNet layers beside gated attention; Qwen4-Exp: the same
+with experts, residual streams, n-gram embeddings and its QSA indexer, tests/engine/test_qwen4_exp.py)
+give transformers' logits through every path a served request takes: a whole prompt, prompt chunks
+computed in chunks or token by token, decode, a verify block whose rejected drafts are rolled back,
+slots side by side, and a prefix resumed from a snapshot of its recurrent state. The tiny
+checkpoints randomise every parameter, the (1 + w) norms' offsets, the decay parameters and the
+convolutions included (engine/cli/tiny.py)."""
 from __future__ import annotations
 
 import pytest
@@ -16,9 +18,9 @@ from tests.engine.test_parity import (PROMPT_LEN, assert_matches, load_engine_mo
 STEPS = 4  # states a slot keeps: a decode row and three drafts, as with --spec-draft-n-max 3
 
 
-@pytest.fixture(scope="module")
-def qwen(reference):
-    ref = reference("qwen3_5")
+@pytest.fixture(scope="module", params=["qwen3_5", "qwen4_exp"])
+def qwen(reference, request):
+    ref = reference(request.param)
     return ref, load_engine_model(ref.path)
 
 
@@ -29,7 +31,7 @@ def run(model, rows_per_step: list[list[Row]], slots: int = 1) -> list[list[torc
 
 def test_the_model_has_both_layer_kinds(qwen):
     _, model = qwen
-    assert [spec.kind for spec in model.specs] == ["recurrent", "dense", "recurrent", "dense"]
+    assert [spec.kind for spec in model.specs] == ["recurrent", "qsa" if model.config.indexer else "dense"] * 2
 
 
 def test_a_whole_prompt_matches_transformers(qwen):
@@ -49,7 +51,7 @@ def test_short_prompt_chunks_run_token_by_token_and_match(qwen):
 
 def test_a_rejected_verify_suffix_leaves_the_state_as_if_only_the_kept_tokens_ran(qwen):
     ref, model = qwen
-    tokens, n = ref.tokens, PROMPT_LEN
+    tokens, n = ref.tokens, PROMPT_LEN + 2  # the row completes a QSA block (of 4) with a wrong token
     cache = new_cache(model, 1, STEPS)
     prefill = step(model, cache, [Row(0, 0, tokens[:n])])[0]
     # The last sampled token and three drafts, of which the first is right and two are wrong.

@@ -1,0 +1,52 @@
+"""A mixture-of-experts MLP (Qwen4-Exp; docs/architecture.md, "Qwen4-Exp"), as transformers'
+Qwen3NextSparseMoeBlock computes it.
+
+The router scores every expert, softmax in f32; each token goes to its top_k experts, their
+probabilities renormalised to sum to 1 (norm_top_k). Each expert is a gated SiLU MLP; a token's
+output is the weighted sum of its experts' outputs, plus the shared expert's output scaled by
+sigmoid(shared_expert_gate x). Rows are grouped by expert: each touched expert runs once over all
+the rows routed to it, so a verify block of a few tokens costs one pass per touched expert.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.files.model_config import ModelConfig
+from engine.model.mlp import MLP
+from engine.ops.quant import Linear
+
+
+class Experts(nn.Module):
+    def __init__(self, c: ModelConfig, t: dict, p: str, dtype: str):
+        """p: the layer's `mlp.` prefix (per-expert tensors under `experts.E.`)."""
+        super().__init__()
+        e = self.config = c.experts
+        self.router = Linear(t[p + "gate.weight"], None, dtype)
+        self.experts = nn.ModuleList(MLP(c, t, p + f"experts.{k}.", dtype, e.intermediate) for k in range(e.count))
+        self.shared_expert = MLP(c, t, p + "shared_expert.", dtype, e.shared_intermediate)
+        self.shared_expert_gate = Linear(t[p + "shared_expert_gate.weight"], None, dtype)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [N, hidden] -> (weights [N, top_k] in x's dtype, experts [N, top_k])."""
+        probs = torch.softmax(self.router(x).float(), dim=-1)
+        weights, chosen = probs.topk(self.config.top_k, dim=-1)
+        if self.config.norm_top_k:
+            weights = weights / weights.sum(-1, keepdim=True)
+        return weights.to(x.dtype), chosen
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, chosen = self.route(x)
+        out = torch.zeros_like(x)
+        # The rows each expert takes, experts in index order (the reference's order of summation).
+        order = chosen.flatten().argsort(stable=True)
+        counts = torch.bincount(chosen.flatten(), minlength=self.config.count).tolist()
+        rows, slots = order // chosen.shape[1], order % chosen.shape[1]
+        start = 0
+        for expert, n in enumerate(counts):
+            if n == 0:
+                continue
+            r, s = rows[start:start + n], slots[start:start + n]
+            start += n
+            out.index_add_(0, r, self.experts[expert](x[r]) * weights[r, s, None])
+        return out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)

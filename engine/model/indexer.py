@@ -1,0 +1,77 @@
+"""QSA as Qwen4-Exp defines it (docs/architecture.md, "QSA: the model's indexer"), as transformers'
+Qwen4ExpTextQSAIndexer computes it.
+
+An indexed attention layer with compress ratio r groups positions into blocks of r. Its indexer
+projects each token to `heads` query heads and one raw key of `head_dim`. Queries are RMS-normed
+(q_layernorm) and turned by RoPE at their position. A block's key is the mean of its positions' raw
+keys, RMS-normed (k_layernorm) and turned by RoPE at the block's first position; tandem computes it
+once, when the block's last position is written, and keeps it in the cache (the reference pools
+again on every forward).
+
+A query at p sees n = (p+1) // r complete blocks and a tail, positions n*r .. p (empty at a block's
+end: the query's own token then competes with the others in its block). Block b scores
+sum over heads h of relu(q_h . kblock_b) / sqrt(head_dim); the query attends the positions of its
+top min(budget/r, n) blocks (torch.topk over its n scores) and its tail, with an ordinary softmax.
+While n <= budget/r that is every position: dense attention.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.files.model_config import ModelConfig
+from engine.model.norm import RMSNorm
+from engine.model.rope import apply_rope
+from engine.ops.quant import Linear, compute_dtype
+
+
+class Indexer(nn.Module):
+    def __init__(self, c: ModelConfig, t: dict, p: str, dtype: str, cos: torch.Tensor, sin: torch.Tensor):
+        """p: the layer's `self_attn.indexer.` prefix; cos, sin: the model's RoPE tables
+        [positions, rotary dims], read at the blocks' first positions."""
+        super().__init__()
+        x = c.indexer
+        self.heads, self.head_dim, self.ratio, self.keep = x.heads, x.head_dim, x.ratio, x.budget // x.ratio
+        self.proj = Linear(t[p + "index_qk_proj.weight"], None, dtype)
+        cdt = compute_dtype(dtype)
+        self.q_norm = RMSNorm(t[p + "q_layernorm.weight"], c.rms_norm_eps, cdt)
+        self.k_norm = RMSNorm(t[p + "k_layernorm.weight"], c.rms_norm_eps, cdt)
+        self.cos, self.sin = cos, sin  # the model's, shared: not this module's buffers
+
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [N, hidden] -> (queries [N, heads, head_dim] normed and turned, raw keys [N, head_dim]).
+        cos, sin: the rows' [N, 1, R]."""
+        q, k = self.proj(x).split([self.heads * self.head_dim, self.head_dim], dim=-1)
+        q = self.q_norm(q.reshape(-1, self.heads, self.head_dim))
+        return apply_rope(q, cos.to(q.dtype), sin.to(q.dtype)), k
+
+    def pool(self, raw: torch.Tensor, first: int) -> torch.Tensor:
+        """The keys of whole blocks first, first+1, ... from their raw keys [blocks * r, head_dim]:
+        [blocks, head_dim], meaned in f32, normed, turned at each block's first position."""
+        pooled = self.k_norm(raw.float().unflatten(0, (-1, self.ratio)).mean(1).to(raw.dtype))
+        starts = (first + torch.arange(pooled.shape[0])) * self.ratio
+        cos, sin = self.cos[starts, None].to(pooled.dtype), self.sin[starts, None].to(pooled.dtype)
+        return apply_rope(pooled[:, None], cos, sin)[:, 0]
+
+    def allowed(self, q: torch.Tensor, blocks: torch.Tensor, positions: torch.Tensor, length: int) -> torch.Tensor:
+        """[T, length] bool: the keys queries q [T, heads, head_dim] standing at `positions` attend,
+        given the slot's block keys blocks [>= the last query's complete blocks, head_dim]."""
+        keys = torch.arange(length)
+        seen = keys <= positions[:, None]
+        complete = (positions + 1) // self.ratio  # [T]
+        if int(complete.max()) <= self.keep:
+            return seen
+        n = int(complete.max())
+        scores = torch.einsum("thd,nd->thn", q.float(), blocks[:n].float()).relu().sum(1) / self.head_dim ** 0.5
+        chosen = torch.zeros(len(positions), n + 1, dtype=torch.bool)
+        # Queries seeing as many blocks share one topk over exactly their n scores: the reference's.
+        for count in complete.unique().tolist():
+            rows = (complete == count).nonzero()[:, 0]
+            if count <= self.keep:
+                chosen[rows, :count] = True
+            else:
+                top = scores[rows, :count].topk(self.keep, dim=-1).indices
+                chosen[rows[:, None], top] = True
+        block = (keys // self.ratio).clamp(max=n)
+        tail = keys >= (complete * self.ratio)[:, None]
+        return (chosen[:, block] | tail) & seen

@@ -1,0 +1,111 @@
+"""Qwen4-Exp: experts, hyper-connections, n-gram embeddings, and QSA through the model's own
+indexer beside Gated DeltaNet layers. The paths every hybrid model's requests take (chunks, decode
+past the QSA budget, rolled-back verify blocks, slots side by side, snapshots) are
+tests/engine/test_qwen3_5.py's, run on this family too; here, what is its own. The tiny checkpoint
+(configs/tiny/qwen4_exp.json) has every component on, every parameter randomised (the
+zero-initialised convolution and norm offsets included) and a budget of 2 blocks of 4, so that most
+queries select."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.errors import ConfigError
+from engine.model.batch import Row
+from engine.model.indexer import Indexer
+from tests.engine.test_parity import (PROMPT_LEN, assert_matches, load_engine_model, new_cache, one_thread,  # noqa: F401
+                                      reference)
+from tests.engine.test_qwen3_5 import STEPS, run
+
+@pytest.fixture(scope="module")
+def qwen(reference):
+    ref = reference("qwen4_exp")
+    return ref, load_engine_model(ref.path)
+
+
+def test_attention_layers_are_qsa_layers_of_the_indexer_and_only_they_get_index_storage(qwen):
+    _, model = qwen
+    specs = model.specs
+    assert [(s.kind, s.ratio, s.budget, s.index_dim) for s in specs] == \
+        [("recurrent", 0, 0, 0), ("qsa", 4, 8, 16), ("recurrent", 0, 0, 0), ("qsa", 4, 8, 16)]
+    cache = new_cache(model, 2, STEPS)
+    has = [(cache.ikeys[i] is not None, cache.iblocks[i] is not None, cache.kpool[i] is not None)
+           for i in range(len(specs))]
+    # Raw indexer keys and block keys for the indexed layers; no pooled attention keys anywhere.
+    assert has == [(False, False, False), (True, True, False), (False, False, False), (True, True, False)]
+
+
+def test_selection_is_sparse_and_matters(qwen, monkeypatch):
+    # Past 2 complete blocks a query keeps only its 2 best: attending to every position instead
+    # moves the logits far past the tolerance.
+    ref, model = qwen
+    monkeypatch.setattr(Indexer, "allowed", lambda self, q, blocks, positions, length:
+                        torch.arange(length) <= positions[:, None])
+    (dense,), = run(model, [[Row(0, 0, ref.tokens)]])
+    assert (dense - ref.logits).abs().max() > 1e-2
+
+
+def test_prompt_chunks_then_decode_past_the_budget_match(qwen):
+    # Chunks of at most STEPS tokens keep every position's state (the verify path); longer ones
+    # keep their last; chunks ending mid-block leave the block's key to the row that completes it.
+    ref, model = qwen
+    bounds = [0, 3, 7, 30, 31, 33, PROMPT_LEN]
+    rows = [[Row(0, a, ref.tokens[a:b])] for a, b in zip(bounds, bounds[1:])]
+    rows += [[Row(0, p, [ref.tokens[p]])] for p in range(PROMPT_LEN, len(ref.tokens))]
+    out = run(model, rows)
+    assert_matches(torch.cat([r[0] for r in out]), ref.logits)
+
+
+def test_an_end_of_sequence_token_resets_the_n_grams_as_transformers_does(qwen):
+    from transformers import AutoModelForCausalLM
+    ref, model = qwen
+    eos = model.config.eos_token_ids[0]
+    tokens = list(ref.tokens[:30])
+    tokens[9], tokens[20], tokens[21] = eos, eos, eos
+    hf = AutoModelForCausalLM.from_pretrained(str(ref.path), dtype=torch.float32, attn_implementation="eager").eval()
+    with torch.no_grad():
+        expected = hf(torch.tensor([tokens])).logits[0]
+    out = run(model, [[Row(0, 0, tokens[:8])], [Row(0, 8, tokens[8:11])], [Row(0, 11, tokens[11:])]])
+    assert_matches(torch.cat([r[0] for r in out]), expected)
+
+
+def test_a_verify_block_runs_each_touched_expert_once(qwen):
+    _, model = qwen
+    experts = model.layers[1].mlp
+    calls = []
+    hooks = [e.register_forward_hook(lambda m, i, o: calls.append(i[0].shape[0])) for e in experts.experts]
+    try:
+        x = torch.randn(4, model.config.hidden_size)
+        _, chosen = experts.route(x)
+        experts(x)
+    finally:
+        for h in hooks:
+            h.remove()
+    assert len(calls) == len(chosen.unique()) and sum(calls) == chosen.numel()
+
+
+@pytest.mark.parametrize("override, message", [
+    ({"hc_count": 1}, "hc_count=1: Qwen4-Exp needs more than one residual stream"),
+    ({"num_experts_per_tok": 9}, "num_experts_per_tok=9: must be in [1, num_experts=8]"),
+    ({"indexer_budget": 10}, "indexer_budget=10: must be a multiple of indexer_compress_ratio=4"),
+    ({"indexer_head_dim": None}, "indexer_head_dim: missing from config.json (the QSA indexer needs all of "
+                                 "indexer_n_heads, indexer_head_dim, indexer_budget, indexer_compress_ratio)"),
+    ({"ple_layer_ids": [2]}, "ple_layer_ids: layer 2 must be a linear_attention layer in [1, 4]"),
+    ({"output_gate_type": "relu"}, "output_gate_type='relu': must be silu or sigmoid"),
+])
+def test_bad_qwen4_exp_geometry_is_refused_naming_the_field(override, message):
+    from engine.cli.tiny import tiny_config
+    from engine.files.config_readers import from_hf_dict
+    with pytest.raises(ConfigError) as e:
+        from_hf_dict({**tiny_config("qwen4_exp"), "eos_token_id": 258, **override})
+    assert str(e.value) == message
+
+
+def test_the_compression_flags_are_refused_on_a_model_with_its_own_indexer(qwen):
+    from engine.files.model_config import with_compression
+    from engine.settings import CompressRatios
+    _, model = qwen
+    with pytest.raises(ConfigError) as e:
+        with_compression(model.config, CompressRatios.parse("all:4"), None)
+    assert str(e.value) == ("compress_ratios: this model's QSA is its indexer's (indexer_compress_ratio=4, "
+                            "indexer_budget=8); the flag applies to models without one")
