@@ -98,7 +98,7 @@ def load_parts(config: EngineConfig, headers: Headers, rank: Rank | None, descri
         log.info("pipeline: this head (rank 0) runs stage 0, layers %s; %s", _layer_span(stages[0]),
                  "; ".join(f"rank {r} stage {r}, layers {_layer_span(s)} on {headers.placement.devices[r]}"
                            for r, s in enumerate(stages) if r))
-        link = Link(0, rank.stages, mc.hidden_size, model.compute_dtype, message_device)
+        link = Link(0, rank.stages, mc.residual_width, model.compute_dtype, message_device)
         remote = RemoteStages(link, config.pipeline_timeout, placement.devices[0], describe_loss)
         model.stages.append(remote)  # after the local stage, before the final norm
     if config.draft_rank:

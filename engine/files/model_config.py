@@ -175,6 +175,11 @@ class ModelConfig:
         return self.num_kv_heads * self.head_dim
 
     @property
+    def residual_width(self) -> int:
+        """Values per token between layers: hidden_size, or hc_count streams of it."""
+        return self.hidden_size * max(self.hc_count, 1)
+
+    @property
     def rotary_dim(self) -> int:
         """Dims of each q and k head that RoPE turns (the first ones; all without partial RoPE)."""
         return int(self.head_dim * self.partial_rotary_factor)

@@ -14,7 +14,7 @@ and the head's output is RMSNorm(o) * w * silu(z), then out_proj over all heads.
 A row of a few tokens (decode, verify) runs the rule token by token and keeps the state after each
 position (engine/model/recurrent_cache.py); a longer prompt chunk runs it in chunks of 64 with the
 intra-chunk part as matrix products (the WY form transformers' torch_chunk_gated_delta_rule uses)
-and keeps only its last position's state.
+and keeps the states after its last two positions (its last token runs alone).
 """
 from __future__ import annotations
 
@@ -101,10 +101,16 @@ class GatedDeltaNet(nn.Module):
                 out[i] = torch.einsum("hk,hkv->hv", q[i], state)
                 cache.write(layer, slot, start + i, window[i + 1:i + k], state)
             return out
-        out, state = chunked_delta_rule(q.transpose(0, 1), key.transpose(0, 1), v.transpose(0, 1), g.t(), beta.t(),
-                                        state)
+        # All but the last token in chunks, the last alone: the states after both are kept.
+        out = torch.empty(t, lin.num_v_heads, lin.v_head_dim)
+        head, state = chunked_delta_rule(q[:-1].transpose(0, 1), key[:-1].transpose(0, 1), v[:-1].transpose(0, 1),
+                                         g[:-1].t(), beta[:-1].t(), state)
+        out[:-1] = head.transpose(0, 1)
+        cache.write(layer, slot, start + t - 2, window[t - 1:t - 2 + k], state)
+        state = _step(state, q[-1], key[-1], v[-1], g[-1], beta[-1])
+        out[-1] = torch.einsum("hk,hkv->hv", q[-1], state)
         cache.write(layer, slot, start + t - 1, window[t:], state)
-        return out.transpose(0, 1)
+        return out
 
 
 def _l2norm(x: torch.Tensor) -> torch.Tensor:

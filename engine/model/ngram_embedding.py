@@ -22,7 +22,7 @@ from torch import nn
 from engine.files.model_config import ModelConfig
 from engine.model.batch import ForwardBatch
 from engine.model.norm import GroupedRMSNorm
-from engine.model.recurrent_cache import RecurrentCache
+from engine.model.recurrent_cache import RecurrentCache, kept_of_long_row
 from engine.ops.quant import Linear, compute_dtype
 
 
@@ -120,6 +120,6 @@ class NgramEmbedding(nn.Module):
         out = sum(window[k * g.ngram:k * g.ngram + t] * self.conv_weight[:, k].to(x.dtype)
                   for k in range(g.conv_kernel))
         span = g.conv_tail
-        for i in (range(t) if cache.per_token(t) else [t - 1]):
+        for i in (range(t) if cache.per_token(t) else kept_of_long_row(0, t)):
             cache.write_ngram(layer, slot, start + i, history[i + 1:i + g.ngram], window[i + 1:i + 1 + span])
         return F.silu(out)

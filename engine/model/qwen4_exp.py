@@ -22,11 +22,13 @@ from engine.model.ngram_embedding import NgramEmbedding
 
 class Qwen4ExpLayer(nn.Module):
     def __init__(self, c: ModelConfig, t: dict, index: int, dtype: str, spec: LayerSpec,
-                 rope: tuple[torch.Tensor, torch.Tensor]):
+                 rope: tuple[torch.Tensor, torch.Tensor], model_index: int):
+        """index: the layer's in t and in the cache; model_index: in the model (which layers have
+        n-gram embeddings)."""
         super().__init__()
         p = f"model.layers.{index}."
         self.index, self.spec = index, spec
-        self.ple = NgramEmbedding(c, t, p + "ple.", dtype) if c.ngram and index in c.ngram.layers else None
+        self.ple = NgramEmbedding(c, t, p + "ple.", dtype) if c.ngram and model_index in c.ngram.layers else None
         self.attn_hyper_connection = HyperConnection(c, t, p + "attn_hyper_connection.", dtype)
         self.self_attn = None if spec.is_recurrent else Attention(c, t, p + "self_attn.", dtype, spec, rope)
         self.linear_attn = GatedDeltaNet(c, t, p + "linear_attn.", dtype) if spec.is_recurrent else None

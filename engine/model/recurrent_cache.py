@@ -5,8 +5,8 @@ A linear-attention layer's state after position p of a slot is its recurrent sta
 v_dim] and its convolution's tail, the last conv_kernel - 1 inputs [conv_kernel - 1, conv_dim]; both
 f32. A slot keeps `steps` such states, entry p % steps holding the state after position p, with a tag
 saying which position it holds. A step of a few tokens (decode, a verify row: at most `steps`)
-writes the state after each of its positions; a longer prompt chunk, computed in chunks, only the
-state after its last. So after a verify row the state after every position it wrote is there, and
+writes the state after each of its positions; a longer prompt chunk, computed in chunks, the states
+after its last two (a draft model catching up goes on from the one before the last). So after a verify row the state after every position it wrote is there, and
 rolling back rejected drafts is, as for the KV cache, only a shorter length: the next step reads the
 state after the last accepted position. The state before the row is not kept: its first token
 (the last sampled one) is always committed.
@@ -25,6 +25,11 @@ import torch
 from engine.files.model_config import LinearAttention, NgramEmbedding
 
 SNAPSHOTS = 2  # per slot: where the last request's prompt ended, and where its answer ended
+
+
+def kept_of_long_row(start: int, tokens: int) -> range:
+    """The positions whose states a row longer than `steps` keeps: its last two."""
+    return range(start + tokens - 2, start + tokens)
 
 
 class RecurrentCache:
@@ -106,8 +111,9 @@ class RecurrentCache:
         self.ngram_conv[layer][slot, e] = conv
 
     def _written(self, start: int, tokens: int):
-        """The positions whose states a row keeps."""
-        return range(start, start + tokens) if self.per_token(tokens) else [start + tokens - 1]
+        """The positions whose states a row keeps: all, or a longer row's last two (a drafter that
+        caught up on a span through its sampled token goes on from the position before it)."""
+        return range(start, start + tokens) if self.per_token(tokens) else kept_of_long_row(start, tokens)
 
     def begin(self, slot: int, start: int, tokens: int) -> None:
         """A row is about to write positions start .. start+tokens-1 of the slot: the states after

@@ -75,6 +75,16 @@ class DecoderLayer(nn.Module):
         return [g.conv_weight, g.A, g.dt_bias, g.k_head, g.norm.weight, cache.recurrent.conv[j], cache.recurrent.state[j]]
 
 
+def decoder_layer(c: ModelConfig, t: dict, index: int, dtype: str, spec: LayerSpec,
+                  rope: tuple[torch.Tensor, torch.Tensor], model_index: int | None = None) -> nn.Module:
+    """The layer whose tensors are t's `model.layers.{index}.`: the model's layer `model_index`
+    (default `index`; a pipeline worker renumbers its stage's layers from 0). rope: the cos and sin
+    tables a layer with its model's QSA indexer reads."""
+    if c.family == "qwen4_exp":
+        return Qwen4ExpLayer(c, t, index, dtype, spec, rope, index if model_index is None else model_index)
+    return DecoderLayer(c, t, index, dtype, spec)
+
+
 def _linear(layer: Linear) -> list[torch.Tensor | None]:
     return [layer.weight, layer.scale, layer.bias]
 
@@ -182,13 +192,9 @@ class Transformer(nn.Module):
         self.register_buffer("cos", cos.to(self.compute_dtype))
         self.register_buffer("sin", sin.to(self.compute_dtype))
 
-        def layer(i: int, spec: LayerSpec) -> nn.Module:
-            if config.family == "qwen4_exp":
-                return Qwen4ExpLayer(config, tensors, i, dtype, spec, (self.cos, self.sin))
-            return DecoderLayer(config, tensors, i, dtype, spec)
-
         self.stages = nn.ModuleList(
-            Stage([layer(i, spec) for i, spec in zip(layers, trunk_specs(config, layers))],
+            Stage([decoder_layer(config, tensors, i, dtype, spec, (self.cos, self.sin))
+                   for i, spec in zip(layers, trunk_specs(config, layers))],
                   device, s == 0, s == len(ranges) - 1)
             for s, (device, layers) in enumerate(zip(self.placement.devices, ranges)))
         first, last = self.stages[0].device, self.stages[-1].device

@@ -153,7 +153,7 @@ def pipelined_forward(model, depth: int, batch: ForwardBatch, cache) -> torch.Te
                 with contextlib.suppress(PipelineError):
                     flight.result()
             raise
-        out = torch.empty(batch.num_tokens, model.config.hidden_size, dtype=model.compute_dtype, device=remote.device)
+        out = torch.empty(batch.num_tokens, model.config.residual_width, dtype=model.compute_dtype, device=remote.device)
         for flight, index in zip(flights, indices):
             out[index.to(remote.device)] = flight.result().to(remote.device)
         return model.norm(out)

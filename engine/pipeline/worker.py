@@ -10,7 +10,7 @@ from engine.model.batch import ForwardBatch
 from engine.model.kv_cache import cache_for
 from engine.model.layer_spec import trunk_specs
 from engine.model.rope import rope_table
-from engine.model.transformer import DecoderLayer, Stage
+from engine.model.transformer import decoder_layer, Stage
 from engine.ops.arena import move_to_huge_pages
 from engine.ops.quant import compute_dtype, keeps_blocks
 from engine.pipeline.ranks import join
@@ -38,13 +38,13 @@ class WorkerStage:
             renamed.update({f"model.layers.{i - layers.start}.{n[len(prefix):]}": t
                             for n, t in tensors.items() if n.startswith(prefix)})
         specs = trunk_specs(config, layers)
-        self.stage = Stage([DecoderLayer(config, renamed, i, dtype, spec) for i, spec in enumerate(specs)], device,
-                           False, False)
-        move_to_huge_pages(self.stage)
         c = engine_config
         cos, sin = rope_table(config.rope, config.rotary_dim, max(c.ctx_per_slot, config.max_position_embeddings))
         self.cos, self.sin = cos.to(compute_dtype(dtype)), sin.to(compute_dtype(dtype))
-        self.cache = cache_for(c, config, specs, [device] * len(specs))
+        self.stage = Stage([decoder_layer(config, renamed, i, dtype, spec, (self.cos, self.sin), layers.start + i)
+                            for i, spec in enumerate(specs)], device, False, False)
+        move_to_huge_pages(self.stage)
+        self.cache = cache_for(c, config, specs, [device] * len(specs), layers)
 
     def apply(self, cache_ops: list[tuple[int, int, int, int]]) -> None:
         for op, slot, a, b in cache_ops:
@@ -97,7 +97,7 @@ def worker_main(config, headers, rank) -> int:
     stage = WorkerStage(mc, headers.files.load_tensors(layers, ends=False, keep_blocks=keeps_blocks(config.dtype)), layers, device, config.dtype, config)
     log.info("pipeline stage %d (rank %d of %d): layers %d..%d on %s loaded, KV cache %.0f MiB", rank.rank,
              rank.rank, rank.stages, layers.start, layers.stop - 1, device, stage.cache.nbytes / 2**20)
-    link = Link(rank.rank, rank.stages, mc.hidden_size, compute_dtype(config.dtype), join(rank, placement))
+    link = Link(rank.rank, rank.stages, mc.residual_width, compute_dtype(config.dtype), join(rank, placement))
     try:
         serve(stage, link, config.pipeline_timeout)
     except LinkError as e:

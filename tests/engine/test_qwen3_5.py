@@ -91,12 +91,17 @@ def test_a_prefix_resumes_from_its_snapshot(qwen):
     assert_matches(resumed, ref.logits[n:n + 12])
 
 
-def test_a_length_without_a_state_is_not_reusable(qwen):
+def test_a_long_row_keeps_the_states_after_its_last_two_positions_only(qwen):
+    # Computed in chunks, the last token alone: a draft model that caught up through a sampled
+    # token goes on from the position before it.
     ref, model = qwen
     cache = new_cache(model, 1, STEPS)
-    step(model, cache, [Row(0, 0, ref.tokens[:PROMPT_LEN])])  # computed in chunks: only the last state kept
-    assert cache.reusable(0, PROMPT_LEN) == PROMPT_LEN
-    assert cache.reusable(0, PROMPT_LEN - 1) == 0
+    step(model, cache, [Row(0, 0, ref.tokens[:PROMPT_LEN])])
+    assert [cache.reusable(0, n) for n in (PROMPT_LEN, PROMPT_LEN - 1, PROMPT_LEN - 2)] == \
+        [PROMPT_LEN, PROMPT_LEN - 1, 0]
+    cache.truncate(0, PROMPT_LEN - 1)
+    again = step(model, cache, [Row(0, PROMPT_LEN - 1, ref.tokens[PROMPT_LEN - 1:PROMPT_LEN + 3])])[0]
+    assert_matches(again, ref.logits[PROMPT_LEN - 1:PROMPT_LEN + 3])
 
 
 @pytest.mark.parametrize("override, message", [

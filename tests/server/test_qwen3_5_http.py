@@ -56,6 +56,17 @@ def chat(client, messages, **fields) -> dict:
     return r.json()
 
 
+def two_chats_and_a_stream(c) -> tuple[list[dict], str]:
+    """PROMPTS' greedy answers, asked at once, and the second one's streamed."""
+    with ThreadPoolExecutor(2) as pool:
+        answers = list(pool.map(lambda p: chat(c, [{"role": "user", "content": p}], cache_prompt=False), PROMPTS))
+    body = {"messages": [{"role": "user", "content": PROMPTS[1]}], "max_tokens": TOKENS, "temperature": 0,
+            "ignore_eos": True, "cache_prompt": False, "stream": True}
+    with c.stream("POST", "/v1/chat/completions", json=body) as r:
+        streamed = "".join(e["choices"][0]["delta"].get("content") or "" for e in sse_events(r) if e.get("choices"))
+    return answers, streamed
+
+
 def ids_of(answer: dict) -> list[int]:
     return [entry["id"] for entry in answer["choices"][0]["logprobs"]["content"]]
 
@@ -65,15 +76,10 @@ def test_greedy_answers_with_the_mtp_draft_are_the_models_own(start_server, plai
     ids, expected, logits, held_expected, held_logits = plain
     server = start_server(["-m", str(MODEL), "-c", "1024", *CELLS[cell]])
     try:
-        with server.client() as c, ThreadPoolExecutor(2) as pool:
-            answers = list(pool.map(lambda p: chat(c, [{"role": "user", "content": p}], cache_prompt=False), PROMPTS))
+        with server.client() as c:
+            answers, streamed = two_chats_and_a_stream(c)
             held = chat(c, [{"role": "user", "content": PROMPTS[0]}], max_tokens=SCHEMA_TOKENS, ignore_eos=False,
                         response_format={"type": "json_schema", "json_schema": {"name": "t", "schema": SCHEMA}})
-            body = {"messages": [{"role": "user", "content": PROMPTS[1]}], "max_tokens": TOKENS, "temperature": 0,
-                    "ignore_eos": True, "cache_prompt": False, "stream": True}
-            with c.stream("POST", "/v1/chat/completions", json=body) as r:
-                streamed = "".join(e["choices"][0]["delta"].get("content") or ""
-                                   for e in sse_events(r) if e.get("choices"))
             props = c.get("/props").json()
     finally:
         server.kill()
