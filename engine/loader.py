@@ -71,7 +71,7 @@ def load_parts(config: EngineConfig, headers: Headers, rank: Rank | None, descri
         here = model.stages[0].device == torch.device(placement.draft_device)
         drafter = load_drafter(config.spec, headers.draft, mc, tensors, config.dtype, config.parallel,
                                config.ctx_per_slot, headers.draft_ratios, placement.draft_device,
-                               model.embed_tokens if here else None, model.logits)
+                               model.embed_tokens if here else None, model.head_logits)
     del tensors
     log.info("loaded %s (%s, %s) in %.1f s", files.path, mc.family, config.dtype, time.perf_counter() - t0)
     formats = model.weight_formats()
@@ -103,7 +103,7 @@ def load_parts(config: EngineConfig, headers: Headers, rank: Rank | None, descri
         model.stages.append(remote)  # after the local stage, before the final norm
     if config.draft_rank:
         log.info("the draft (%s) runs on rank %d, on its %s", config.spec.type, rank.world - 1, placement.draft_device)
-        drafter = RemoteDrafter(DraftLink(rank.world - 1, mc.hidden_size, model.compute_dtype), config.spec,
+        drafter = RemoteDrafter(DraftLink(rank.world - 1, mc.residual_width, model.compute_dtype), config.spec,
                                 mc.vocab_size, config.pipeline_timeout, describe_loss)
     # A drafter that pairs the hidden state at position i with the token at i+1 needs, where a
     # request resumes a cached prefix, the hidden state before it: K/V can recompute that position

@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 from transformers.convert_slow_tokenizer import bytes_to_unicode
@@ -151,6 +151,33 @@ def save_randomised(hf: PretrainedConfig, out: Path, seed: int) -> None:
         for name, p in params.items():
             p.copy_(drawn[name])
     model.save_pretrained(out)
+    layers = getattr(hf, "mtp_num_hidden_layers", 0) or 0
+    if layers:  # transformers has no MTP module for it: its tensors are added to the file as checkpoints hold them
+        file = out / "model.safetensors"
+        saved = load_file(str(file))
+        mtp = random_tensors(qwen4_exp_mtp_shapes(hf, {n: tuple(t.shape) for n, t in saved.items()}, layers), seed)
+        h = hf.hidden_size
+        mtp["mtp.fc_embedding.weight"] += torch.eye(h)  # as Qwen3.5's: drafts that repeat their token
+        save_file({**saved, **mtp}, str(file), metadata={"format": "pt"})
+
+
+def qwen4_exp_mtp_shapes(hf: PretrainedConfig, shapes: dict[str, tuple[int, ...]], layers: int) -> dict:
+    """Qwen4-Exp's MTP layers as its checkpoints hold them: each an attention layer shaped as the
+    trunk's first one (its indexer included), its experts merged in two tensors; the projections of
+    the embedding and of each residual stream, their norms, and a stream mixer of its own."""
+    h, wide = hf.hidden_size, hf.hidden_size * hf.hc_count
+    attention = hf.layer_types.index("indexed_attention")
+    prefix = f"model.layers.{attention}."
+    out = {"mtp.fc_embedding.weight": (h, h), "mtp.fc_hidden.weight": (h, h), "mtp.pre_fc_norm_embedding.weight": (h,),
+           "mtp.pre_fc_norm_hidden.weight": (wide,)}
+    out.update({"mtp." + n[len("model."):]: s for n, s in shapes.items() if n.startswith("model.hyper_connection_mixer.")})
+    e, width = hf.num_experts, hf.moe_intermediate_size
+    for k in range(layers):
+        own = {n[len(prefix):]: s for n, s in shapes.items() if n.startswith(prefix) and ".experts." not in n}
+        out.update({f"mtp.layers.{k}.{n}": s for n, s in own.items()})
+        out[f"mtp.layers.{k}.mlp.experts.gate_up_proj"] = (e, 2 * width, h)
+        out[f"mtp.layers.{k}.mlp.experts.down_proj"] = (e, h, width)
+    return out
 
 
 def main() -> None:

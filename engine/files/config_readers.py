@@ -8,7 +8,7 @@ from engine.files.model_config import (FAMILIES, FULL_ATTENTION, LINEAR_ATTENTIO
                                        LinearAttention, ModelConfig, NgramEmbedding, RopeConfig)
 
 # GGUF's architecture names, where they differ from transformers' model_type.
-GGUF_ARCHS = {"qwen35": "qwen3_5"}
+GGUF_ARCHS = {"qwen35": "qwen3_5", "qwen4exp": "qwen4_exp"}
 # transformers' model_type of a text model inside a multimodal checkpoint's config.json.
 TEXT_MODEL_TYPES = {"qwen3_5_text": "qwen3_5", "qwen4_exp_text": "qwen4_exp"}
 # Families whose layers are of several kinds (layer_types), a recurrent state beside attention.
@@ -156,7 +156,9 @@ def _qwen4_exp_from_hf(d: dict, kinds) -> dict:
                    (0,) * int(_get(d, "mtp_num_hidden_layers", 0)))
     layers = sorted(set(_get(d, "ple_layer_ids", [])))
     if layers:
+        eos = d.get("eos_token_id")
         out["ngram"] = NgramEmbedding(layers=tuple(i - 1 for i in layers),
+                                      eos=int((eos[0] if eos else -1) if isinstance(eos, list) else _get(d, "eos_token_id", -1)),
                                       embed_dim=int(_get(d, "ple_embed_dim", d["hidden_size"])),
                                       conv_kernel=int(_get(d, "ple_conv_kernel_size", 4)),
                                       ngram=int(_get(d, "ngram_size", 3)),
@@ -193,7 +195,9 @@ def from_gguf_metadata(meta: dict, tensor_shapes: dict[str, tuple[int, ...]]) ->
     def key(name, default=None):
         return meta.get(f"{arch}.{name}", default)
 
-    for name in ("embedding_length", "block_count", "attention.head_count", "feed_forward_length"):
+    qwen4 = family == "qwen4_exp"
+    ffn = "expert_feed_forward_length" if qwen4 else "feed_forward_length"
+    for name in ("embedding_length", "block_count", "attention.head_count", ffn):
         _check(key(name) is not None, f"{arch}.{name}: missing from GGUF metadata")
     hidden, heads = int(key("embedding_length")), int(key("attention.head_count"))
     head_dim = key("attention.key_length")
@@ -219,25 +223,65 @@ def from_gguf_metadata(meta: dict, tensor_shapes: dict[str, tuple[int, ...]]) ->
     nextn = int(key("nextn_predict_layers", 0))
     # block_count counts the MTP layers after the trunk's (llama.cpp's n_layer_all).
     trunk = int(key("block_count")) - nextn
-    qwen3_5 = family == "qwen3_5"
-    kinds, linear = _linear_from_gguf(key, trunk) if qwen3_5 else ((), None)
+    hybrid = family in HYBRID
+    kinds, linear = _linear_from_gguf(key, trunk) if hybrid else ((), None)
     rotary = key("rope.dimension_count")
     kv_heads = key("attention.head_count_kv", heads)
     if isinstance(kv_heads, (list, tuple)):  # per layer, 0 for a recurrent one (hybrid files may write it so)
         kv_heads = max(kv_heads)
+    qwen4_keys = _qwen4_exp_from_gguf(key, kinds, hidden, nextn) if qwen4 else {}
     return ModelConfig(
-        family=family, hidden_size=hidden, intermediate_size=int(key("feed_forward_length")),
+        family=family, hidden_size=hidden, intermediate_size=int(key(ffn)),
         num_layers=trunk, num_heads=heads,
         num_kv_heads=int(kv_heads), head_dim=int(head_dim), vocab_size=int(vocab),
         rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-6)), rope=rope,
         max_position_embeddings=int(key("context_length", 2048)),
         tie_word_embeddings="output.weight" not in tensor_shapes,
         attention_bias="blk.0.attn_q.bias" in tensor_shapes,
-        qk_norm=qwen3_5 or "blk.0.attn_q_norm.weight" in tensor_shapes,
+        qk_norm=hybrid or "blk.0.attn_q_norm.weight" in tensor_shapes,
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=tuple(dict.fromkeys(t for t in (eos, eot) if t is not None)),
-        layer_types=kinds, linear=linear, attn_output_gate=qwen3_5,
-        partial_rotary_factor=int(rotary) / int(head_dim) if qwen3_5 and rotary else 1.0,
-        compress_ratios=tuple(int(r) for r in key("attention.compress_ratios", ())),
-        qsa_budget=int(key("attention.qsa_budget", 0)), num_nextn_predict_layers=nextn,
+        layer_types=kinds, linear=linear, attn_output_gate=hybrid,
+        partial_rotary_factor=int(rotary) / int(head_dim) if hybrid and rotary else 1.0,
+        num_nextn_predict_layers=nextn,
+        **{"compress_ratios": tuple(int(r) for r in key("attention.compress_ratios", ())),
+           "qsa_budget": int(key("attention.qsa_budget", 0)), **qwen4_keys},
     )
+
+
+def _qwen4_exp_from_gguf(key, kinds, hidden: int, nextn: int) -> dict:
+    """qwen4exp's experts, hyper-connections, indexer and n-gram embeddings from its metadata, as
+    llama.cpp's converter writes them (the indexer's ratio: its attention layers' compress ratio)."""
+    for name in ("expert_count", "expert_used_count", "expert_shared_feed_forward_length",
+                 "hyper_connection.count", "hyper_connection.low_rank"):
+        _check(key(name) is not None, f"{name}: missing from GGUF metadata")
+    out = dict(
+        experts=Experts(count=int(key("expert_count")), top_k=int(key("expert_used_count")),
+                        intermediate=int(key("expert_feed_forward_length")),
+                        shared_intermediate=int(key("expert_shared_feed_forward_length")),
+                        norm_top_k=bool(key("expert_weights_norm", True))),
+        hc_count=int(key("hyper_connection.count")), hc_lowrank=int(key("hyper_connection.low_rank")),
+        # The converter writes no output_gate_type: llama.cpp's qwen4exp gates the linear-attention
+        # norm with a sigmoid, as the released checkpoint's config says.
+        linear_gate_act="sigmoid")
+    ratios = [int(r) for r in key("attention.compress_ratios", ())]
+    if key("attention.indexer.head_count") is not None:
+        ratio = max(ratios, default=0)
+        _check(ratio > 0, "attention.compress_ratios: an indexer needs its attention layers' compress ratio")
+        x = Indexer(heads=int(key("attention.indexer.head_count")), head_dim=int(key("attention.indexer.key_length")),
+                    budget=int(key("attention.indexer.top_k")), ratio=ratio)
+        _check(x.budget % x.ratio == 0,
+               f"attention.indexer.top_k={x.budget}: must be a multiple of the compress ratio {x.ratio}")
+        out.update(indexer=x, qsa_budget=x.budget,
+                   compress_ratios=tuple(0 if kind == LINEAR_ATTENTION else ratio for kind in kinds) + (0,) * nextn)
+    layers = tuple(int(i) for i in key("ple.layers", ()))
+    if layers:
+        _check(len(layers) == 1, f"ple.layers={list(layers)}: a GGUF file holds one n-gram table (one PLE layer)")
+        ngram, heads = int(key("ple.ngram_size", 3)), int(key("ple.heads_per_ngram", 8))
+        out["ngram"] = NgramEmbedding(
+            layers=layers, embed_dim=(ngram - 1) * heads * int(key("embedding_length_per_layer_input")),
+            conv_kernel=int(key("ple.conv_kernel", 4)), ngram=ngram, heads_per_ngram=heads,
+            multipliers=tuple(int(v) for v in key("ple.layer_multipliers")),
+            offsets=tuple(int(v) for v in key("ple.head_offsets")), sizes=tuple(int(v) for v in key("ple.head_vocab_sizes")),
+            eos=int(key("ple.eos_token_id", -1)))
+    return out

@@ -109,6 +109,11 @@ class NgramEmbedding:
     conv_kernel: int
     ngram: int
     heads_per_ngram: int
+    eos: int = -1  # the token that cuts n-grams (the model's end of sequence)
+    # The hash constants where a GGUF file's metadata holds them (an HF checkpoint's are tensors).
+    multipliers: tuple[int, ...] = ()
+    offsets: tuple[int, ...] = ()
+    sizes: tuple[int, ...] = ()
 
     @property
     def heads(self) -> int:
@@ -312,7 +317,7 @@ def _validate_qwen4_exp(c: ModelConfig) -> None:
         for layer in g.layers:
             _check(0 <= layer < c.num_layers and c.is_recurrent(layer),
                    f"ple_layer_ids: layer {layer + 1} must be a linear_attention layer in [1, {c.num_layers}]")
-        _check(bool(c.eos_token_ids), "eos_token_id: must be set when Qwen4-Exp has PLE layers")
+        _check(g.eos >= 0, "eos_token_id: must be set when Qwen4-Exp has PLE layers")
 
 
 def _validate_compression(c: ModelConfig) -> None:

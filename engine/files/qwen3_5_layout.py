@@ -19,7 +19,7 @@ from engine.files.model_config import ModelConfig
 TEXT_PREFIX = "model.language_model."
 _GGUF_GLOBAL = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
                 "output.weight": "lm_head.weight"}
-_GGUF_LAYER = {
+GGUF_LAYER = {
     "attn_norm.weight": "input_layernorm.weight",
     "post_attention_norm.weight": "post_attention_layernorm.weight",
     "attn_q.weight": "self_attn.q_proj.weight",
@@ -59,10 +59,10 @@ def gguf_name(name: str, trunk: int) -> str | None:
         return None
     layer, rest = int(parts[1]), parts[2]
     if layer < trunk:
-        return f"model.layers.{layer}.{_GGUF_LAYER[rest]}" if rest in _GGUF_LAYER else None
+        return f"model.layers.{layer}.{GGUF_LAYER[rest]}" if rest in GGUF_LAYER else None
     if rest in _GGUF_NEXTN:
         return _GGUF_NEXTN[rest]
-    return f"mtp.layers.{layer - trunk}.{_GGUF_LAYER[rest]}" if rest in _GGUF_LAYER else None
+    return f"mtp.layers.{layer - trunk}.{GGUF_LAYER[rest]}" if rest in GGUF_LAYER else None
 
 
 def hf_name(name: str) -> str:

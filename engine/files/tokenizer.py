@@ -11,8 +11,13 @@ from engine.files.disk_cache import cache_path, partial_path
 from engine.files.weights import ModelFiles
 
 
+# GGUF architectures transformers cannot make a config of, with the tokenizer class their family
+# uses: their vocabulary is read by that class directly (the tokenizer.ggml.* keys are the same).
+GGUF_TOKENIZERS = {"qwen4_exp": "Qwen2TokenizerFast"}
+
+
 @functools.lru_cache(maxsize=4)
-def _hf_tokenizer(path: Path, gguf: bool, mtime_ns: int):
+def _hf_tokenizer(path: Path, gguf: bool, mtime_ns: int, family: str = ""):
     """transformers' tokenizer for a model, made once per process and file version: converting a
     GGUF vocabulary parses the whole file's metadata, seconds each time, and an engine reloaded in
     the same process (tests, the bench) would pay it again. Shared: nothing here mutates it."""
@@ -27,7 +32,8 @@ def _hf_tokenizer(path: Path, gguf: bool, mtime_ns: int):
     saved = cache_path("tokenizers", path, transformers.__version__)
     if (saved / "tokenizer.json").is_file():
         return AutoTokenizer.from_pretrained(str(saved))
-    hf = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    kind = getattr(transformers, GGUF_TOKENIZERS[family]) if family in GGUF_TOKENIZERS else AutoTokenizer
+    hf = kind.from_pretrained(str(path.parent), gguf_file=path.name)
     partial = partial_path(saved)
     try:
         hf.save_pretrained(str(partial))
@@ -44,7 +50,7 @@ class Tokenizer:
 
     @classmethod
     def load(cls, files: ModelFiles, chat_template_file: str | Path | None = None) -> "Tokenizer":
-        hf = _hf_tokenizer(files.path, files.format == "gguf", files.path.stat().st_mtime_ns)
+        hf = _hf_tokenizer(files.path, files.format == "gguf", files.path.stat().st_mtime_ns, files.config.family)
         template = None
         if chat_template_file is not None:
             path = Path(chat_template_file)

@@ -69,11 +69,13 @@ def default_model_path() -> Path:
     raise ConfigError(f"model=default: {DEFAULT_MODEL_FILE} not found in package {DEFAULT_MODEL_PACKAGE}")
 
 
-def hf_name_of_gguf(name: str, family: str, trunk: int) -> str | None:
+def hf_name_of_gguf(name: str, family: str, trunk: int, ple_layers: tuple[int, ...] = ()) -> str | None:
     """tandem's (transformers') name of a GGUF tensor of a model of `family` with `trunk` layers
-    before any MTP layers, None for one it does not read."""
+    before any MTP layers (and n-gram embeddings on `ple_layers`), None for one it does not read."""
     if family == "qwen3_5":
         return qwen3_5_layout.gguf_name(name, trunk)
+    if family == "qwen4_exp":
+        return qwen4_exp_layout.gguf_name(name, trunk, ple_layers)
     if name in _GGUF_GLOBAL_NAMES:
         return _GGUF_GLOBAL_NAMES[name]
     parts = name.split(".", 2)
@@ -132,14 +134,19 @@ class ModelFiles:
 
     @property
     def has_mtp(self) -> bool:
-        """Whether the file holds the model's own MTP layers (Qwen3.5's `mtp.*`, GGUF's nextn)."""
-        return self.config.num_nextn_predict_layers > 0 and "mtp.fc.weight" in self.shapes
+        """Whether the file holds the model's own MTP layers (Qwen3.5's and Qwen4-Exp's `mtp.*`,
+        GGUF's nextn)."""
+        return self.config.num_nextn_predict_layers > 0 and \
+            ("mtp.fc.weight" in self.shapes or "mtp.fc_hidden.weight" in self.shapes)
 
     def mtp_shapes(self) -> dict[str, tuple[int, ...]]:
         """The MTP layers' tensors, with the optional ones the file holds; checked against the file."""
         c = self.config
-        names = {**qwen3_5_layout.mtp_shapes(c),
-                 **{n: s for n, s in qwen3_5_layout.optional_mtp_shapes(c).items() if n in self.shapes}}
+        if c.family == "qwen4_exp":
+            names = qwen4_exp_layout.mtp_shapes(c, self.shapes)
+        else:
+            names = {**qwen3_5_layout.mtp_shapes(c),
+                     **{n: s for n, s in qwen3_5_layout.optional_mtp_shapes(c).items() if n in self.shapes}}
         _check_shapes(self.path, self.shapes, names)
         return names
 
@@ -308,9 +315,11 @@ def _open_gguf_version(path: Path, size: int, mtime_ns: int) -> ModelFiles:
     config = from_gguf_metadata(meta, gguf_shapes)
     shapes, stored = {}, {}
     for t in tensors:
-        hf = hf_name_of_gguf(t.name, config.family, config.num_layers)
+        hf = hf_name_of_gguf(t.name, config.family, config.num_layers, config.ngram.layers if config.ngram else ())
         if hf is not None:
-            shapes[hf], stored[hf] = gguf_shapes[t.name], (int(t.tensor_type), int(t.data.nbytes))
+            shape = qwen4_exp_layout.gguf_shape(hf, gguf_shapes[t.name]) if config.family == "qwen4_exp" \
+                else gguf_shapes[t.name]
+            shapes[hf], stored[hf] = shape, (int(t.tensor_type), int(t.data.nbytes))
     return ModelFiles(path, "gguf", config, shapes, gguf_tensors=tensors, stored=stored)
 
 
@@ -348,7 +357,7 @@ def _load_gguf(tensors: list[GGUFTensor], config: ModelConfig, names: dict,
     import gguf
     out, unserved = {}, []
     for t in tensors:
-        hf = hf_name_of_gguf(t.name, config.family, config.num_layers)
+        hf = hf_name_of_gguf(t.name, config.family, config.num_layers, config.ngram.layers if config.ngram else ())
         if hf not in names:
             continue
         shape = names[hf]

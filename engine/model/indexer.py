@@ -22,6 +22,7 @@ from torch import nn
 from engine.files.model_config import ModelConfig
 from engine.model.norm import RMSNorm
 from engine.model.rope import apply_rope
+from engine.ops import blocks
 from engine.ops.quant import Linear, compute_dtype
 
 
@@ -32,7 +33,10 @@ class Indexer(nn.Module):
         super().__init__()
         x = c.indexer
         self.heads, self.head_dim, self.ratio, self.keep = x.heads, x.head_dim, x.ratio, x.budget // x.ratio
-        self.proj = Linear(t[p + "index_qk_proj.weight"], None, dtype)
+        # One projection for q and k (a GGUF file holds it as two).
+        qk = t.get(p + "index_qk_proj.weight")
+        self.proj = Linear(qk if qk is not None else blocks.cat_rows([t[p + "q_proj.weight"], t[p + "k_proj.weight"]]),
+                           None, dtype)
         cdt = compute_dtype(dtype)
         self.q_norm = RMSNorm(t[p + "q_layernorm.weight"], c.rms_norm_eps, cdt)
         self.k_norm = RMSNorm(t[p + "k_layernorm.weight"], c.rms_norm_eps, cdt)

@@ -517,7 +517,6 @@ def recurrent_cache(model: ModelConfig, specs: Sequence[LayerSpec], devices: Seq
     own = [(i, layer, device) for i, (layer, spec, device) in enumerate(zip(layers, specs, devices))
            if spec.is_recurrent]
     ngram = model.ngram
-    return RecurrentCache([i for i, _, _ in own], slots, model.linear, steps, model.hidden_size,
+    return RecurrentCache([i for i, _, _ in own], slots, model.linear, steps, model.residual_width,
                           [device for _, _, device in own], ngram,
-                          [i for i, layer, _ in own if ngram is not None and layer in ngram.layers],
-                          max(model.hc_count, 1))
+                          [i for i, layer, _ in own if ngram is not None and layer in ngram.layers])

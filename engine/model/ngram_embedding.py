@@ -48,11 +48,14 @@ class NgramEmbedding(nn.Module):
         """p: the layer's `ple.` prefix."""
         super().__init__()
         g = self.config = c.ngram
-        self.streams, self.hidden, self.eos = c.hc_count, c.hidden_size, c.eos_token_ids[0]
+        self.streams, self.hidden, self.eos = c.hc_count, c.hidden_size, g.eos
         e = p + "ple_embedding."
-        self.register_buffer("multipliers", t[e + "layer_multipliers"].long())
-        self.register_buffer("sizes", t[e + "ngram_heads_vocab_sizes"].long())
-        self.register_buffer("offsets", t[e + "ngram_heads_offsets"].long())
+
+        def constants(name: str, given: tuple[int, ...]) -> torch.Tensor:
+            return t[e + name].long() if e + name in t else torch.tensor(given, dtype=torch.long)
+        self.register_buffer("multipliers", constants("layer_multipliers", g.multipliers))
+        self.register_buffer("sizes", constants("ngram_heads_vocab_sizes", g.sizes))
+        self.register_buffer("offsets", constants("ngram_heads_offsets", g.offsets))
         shards = sorted((n for n in t if n.startswith(e + "ngram_embedding.shard_")),
                         key=lambda n: int(n.rsplit("shard_", 1)[1].split(".")[0]))
         self.shards = [t[n] for n in shards]  # rows as the file holds them, never joined

@@ -1,5 +1,6 @@
 """Qwen3.5's own MTP layer (transformers drops its `mtp.*` weights; llama.cpp's qwen35 runs it as the
-`nextn` layer behind --spec-type draft-mtp), as a draft: docs/architecture.md, "The model's own MTP".
+`nextn` layer behind --spec-type draft-mtp), as a draft: docs/architecture.md, "The model's own MTP";
+the frame Qwen4-Exp's (engine/model/qwen4_exp.py) shares.
 
 Its cache position p pairs the token at p with the target's hidden state at p - 1 (zeros before
 position 0), as llama.cpp's draft-mtp does. One step, for hidden h and token x:
@@ -22,17 +23,9 @@ from engine.model.batch import ForwardBatch
 from engine.model.layer_spec import DENSE
 from engine.model.norm import RMSNorm
 from engine.model.rope import rope_table
-from engine.model.transformer import DecoderLayer, embed_rows, run_on
+from engine.model.transformer import decoder_layer, embed_rows, run_on
 from engine.ops.arena import move_to_huge_pages
 from engine.ops.quant import Linear, compute_dtype
-
-
-def _block(c: ModelConfig, t: dict, k: int, dtype: str) -> DecoderLayer:
-    """MTP layer k's decoder block, reading its tensors under a trunk layer's names and its own
-    cache layer k."""
-    p = f"mtp.layers.{k}."
-    return DecoderLayer(c, {f"model.layers.{k}.{n[len(p):]}": v for n, v in t.items() if n.startswith(p)}, k, dtype,
-                        DENSE)
 
 
 class NextN(nn.Module):
@@ -43,28 +36,47 @@ class NextN(nn.Module):
     def __init__(self, c: ModelConfig, t: dict, dtype: str, max_positions: int, target_logits, embed_tokens,
                  device: str = "cpu"):
         """target_logits: [N, hidden] -> [N, vocab] f32 on the CPU, the target's lm_head
-        (Transformer.logits); embed_tokens: [N] ids -> [N, hidden] on `device`, the target's table or
-        a copy there. Both are the target's, not this module's: they are not copied again."""
+        (Transformer.head_logits); embed_tokens: [N] ids -> [N, hidden] on `device`, the target's
+        table or a copy there. Both are the target's, not this module's: they are not copied again."""
         super().__init__()
-        cdt, eps = compute_dtype(dtype), c.rms_norm_eps
+        cdt = compute_dtype(dtype)
         self.config, self.num_layers, self.device = c, c.num_nextn_predict_layers, torch.device(device)
         self.compute_dtype = cdt
-        d = self.device
-        self.enorm = RMSNorm(t["mtp.pre_fc_norm_embedding.weight"], eps, cdt).to(d)
-        self.hnorm = RMSNorm(t["mtp.pre_fc_norm_hidden.weight"], eps, cdt).to(d)
-        self.fc = Linear(t["mtp.fc.weight"], None, dtype).to(d)
-        self.blocks = nn.ModuleList(_block(c, t, k, dtype).to(d) for k in range(self.num_layers))
-        self.norm = RMSNorm(t["mtp.norm.weight"], eps, cdt).to(d)
-        own_head = t.get("mtp.shared_head.weight")
-        self.head = Linear(own_head, None, dtype).to(d) if own_head is not None else None
-        self.target_logits = target_logits
-        own_embed = t.get("mtp.embed_tokens.weight")
-        self.own_embed = Linear(own_embed, None, dtype).to(d) if own_embed is not None else None
-        self.target_embed = embed_tokens
         cos, sin = rope_table(c.rope, c.rotary_dim, max_positions)
         self.register_buffer("cos", cos.to(cdt))
         self.register_buffer("sin", sin.to(cdt))
+        self.target_logits = target_logits
+        own_embed = t.get("mtp.embed_tokens.weight")
+        self.own_embed = Linear(own_embed, None, dtype).to(self.device) if own_embed is not None else None
+        self.target_embed = embed_tokens
+        self.blocks = nn.ModuleList(
+            decoder_layer(c, {f"model.layers.{k}.{n[len(p):]}": v for n, v in t.items() if n.startswith(p)}, k,
+                          dtype, DENSE, (self.cos, self.sin), c.num_layers + k).to(self.device)
+            for k, p in ((k, f"mtp.layers.{k}.") for k in range(self.num_layers)))
+        self.build(c, t, dtype)
         move_to_huge_pages(self)
+
+    def build(self, c: ModelConfig, t: dict, dtype: str) -> None:
+        """The family's own tensors around the blocks: [enorm(embedding); hnorm(hidden)] -> fc, the
+        norm after the block, and a head of its own where the file has one."""
+        cdt, eps, d = self.compute_dtype, c.rms_norm_eps, self.device
+        self.enorm = RMSNorm(t["mtp.pre_fc_norm_embedding.weight"], eps, cdt).to(d)
+        self.hnorm = RMSNorm(t["mtp.pre_fc_norm_hidden.weight"], eps, cdt).to(d)
+        self.fc = Linear(t["mtp.fc.weight"], None, dtype).to(d)
+        self.norm = RMSNorm(t["mtp.norm.weight"], eps, cdt).to(d)
+        own_head = t.get("mtp.shared_head.weight")
+        self.head = Linear(own_head, None, dtype).to(d) if own_head is not None else None
+
+    def combine(self, embeddings: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """The block's input from the tokens' embeddings and the hidden states they pair with."""
+        return self.fc(torch.cat([self.enorm(embeddings), self.hnorm(hidden)], dim=-1))
+
+    def after_block(self, x: torch.Tensor) -> torch.Tensor:
+        """What a step hands on (to the head and the next depth): the block's output normed."""
+        return self.norm(x)
+
+    def head_logits(self, rows: torch.Tensor) -> torch.Tensor:
+        return self.target_logits(rows) if self.head is None else self.head(rows).float().cpu()
 
     @property
     def specs(self):
@@ -84,7 +96,7 @@ class NextN(nn.Module):
         the hidden state before it). Writes this depth's layer cache. Returns (h' after norm [N, H],
         full-vocabulary logits f32 on the CPU at the positions `at` indexes, or at all)."""
         d, block = self.device, self.blocks[self.layer_for_depth(depth)]
-        x = self.fc(torch.cat([self.enorm(embeddings.to(d)), self.hnorm(hidden.to(d))], dim=-1))
-        x = self.norm(run_on(d, [block], x, batch, self.cos[batch.positions], self.sin[batch.positions], cache))
-        rows = x if at is None else x[at.to(d)]
-        return x, self.target_logits(rows) if self.head is None else self.head(rows).float().cpu()
+        x = self.combine(embeddings.to(d), hidden.to(d))
+        x = self.after_block(run_on(d, [block], x, batch, self.cos[batch.positions], self.sin[batch.positions],
+                                    cache))
+        return x, self.head_logits(x if at is None else x[at.to(d)])

@@ -55,3 +55,4 @@ class StreamMixer(HyperConnection):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.mix(x)[0]
+

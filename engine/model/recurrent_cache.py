@@ -35,12 +35,13 @@ def kept_of_long_row(start: int, tokens: int) -> range:
 class RecurrentCache:
     def __init__(self, layers: Sequence[int], num_slots: int, linear: LinearAttention, steps: int, hidden: int,
                  devices: Sequence[torch.device | str] | None = None, ngram: NgramEmbedding | None = None,
-                 ngram_layers: Sequence[int] = (), streams: int = 1):
+                 ngram_layers: Sequence[int] = ()):
         """layers: the model's linear-attention layer indices (their storage sits on `devices`, one
         per such layer, default the CPU); steps: states kept per slot, at least the longest row a
-        step writes token by token (1 + the verify rows). ngram_layers: those of them with n-gram
-        embeddings (Qwen4-Exp), whose state is their last n-1 token ids and their convolution's
-        inputs, [streams * hidden] each."""
+        step writes token by token (1 + the verify rows); hidden: the width of the states between
+        layers (hidden_size, or Qwen4-Exp's residual streams). ngram_layers: those of them with
+        n-gram embeddings (Qwen4-Exp), whose state is their last n-1 token ids and their
+        convolution's inputs, `hidden` wide."""
         devices = [torch.device(d) for d in devices] if devices is not None else [torch.device("cpu")] * len(layers)
         self.layers = {layer: j for j, layer in enumerate(layers)}
         self.linear, self.steps, self.num_slots = linear, steps, num_slots
@@ -56,7 +57,7 @@ class RecurrentCache:
         # Per n-gram layer: [slots, steps, n-1] token ids and [slots, steps, conv tail, streams * hidden].
         self.ngram_ids, self.ngram_conv, self._ngram_zero = {}, {}, {}
         if ngram_layers:
-            ids, tail = (ngram.ngram - 1,), (ngram.conv_tail, streams * hidden)
+            ids, tail = (ngram.ngram - 1,), (ngram.conv_tail, hidden)
             for layer in ngram_layers:
                 d = devices[layers.index(layer)]
                 self.ngram_ids[layer] = torch.zeros(num_slots, steps, *ids, dtype=torch.long, device=d)

@@ -205,9 +205,11 @@ class Transformer(nn.Module):
         # format, so that it embeds exactly what the unsplit model does.
         tied_here = config.tie_word_embeddings and first == last
         self.embed = None if tied_here else embedding_table(config, tensors, dtype).to(first)
-        # The final norm, or a model's mixer of its residual streams into one.
-        self.norm = (StreamMixer(config, tensors, dtype) if config.hc_count else
-                     RMSNorm(tensors["model.norm.weight"], config.rms_norm_eps, self.compute_dtype)).to(last)
+        # The final norm. A model with residual streams hands them out as they are (its MTP layer
+        # reads them) and mixes them into one where the lm_head reads them (`logits`).
+        self.norm = nn.Identity() if config.hc_count else \
+            RMSNorm(tensors["model.norm.weight"], config.rms_norm_eps, self.compute_dtype).to(last)
+        self.mixer = StreamMixer(config, tensors, dtype).to(last) if config.hc_count else None
         move_to_huge_pages(self)
 
     @property
@@ -229,8 +231,8 @@ class Transformer(nn.Module):
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
         """Runs the batch, writing its K/V into the cache. Returns hidden states after the final
-        norm, [N, hidden], on the last stage's device: the vectors that feed the lm_head (and the
-        MTP draft)."""
+        norm, [N, hidden] (a model with residual streams: the streams, [N, hc * hidden]), on the last
+        stage's device: the vectors that feed the lm_head (`logits`) and the MTP draft."""
         return self.norm(self.trunk(batch, cache, self.stages))
 
     def trunk(self, batch: ForwardBatch, cache: KVCache, stages) -> torch.Tensor:
@@ -248,5 +250,13 @@ class Transformer(nn.Module):
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[rows, hidden] (on any device) -> [rows, vocab] f32 on the CPU."""
+        """[rows, hidden] (or residual streams) as forward gives them (on any device) -> [rows, vocab]
+        f32 on the CPU."""
+        hidden = hidden.to(self.lm_head.weight.device)
+        return self.head_logits(self.mixer(hidden) if self.mixer is not None else hidden)
+
+    @torch.inference_mode()
+    def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The lm_head alone: [rows, hidden] -> [rows, vocab] f32 on the CPU (the model's own MTP layers
+        share it)."""
         return self.lm_head(hidden.to(self.lm_head.weight.device)).float().cpu()

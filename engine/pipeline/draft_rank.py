@@ -253,7 +253,7 @@ def draft_main(config, headers, rank) -> int:
     log.info("the draft (rank %d of %d): %s on %s loaded", rank.rank, rank.world, config.spec.type,
              placement.draft_device)
     join(rank, placement)
-    link = DraftLink(0, mc.hidden_size, compute_dtype(config.dtype))
+    link = DraftLink(0, mc.residual_width, compute_dtype(config.dtype))
     try:
         serve_drafts(drafter, link, config.spec, mc.vocab_size, config.parallel, config.pipeline_timeout)
     except LinkError as e:

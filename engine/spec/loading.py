@@ -13,6 +13,7 @@ from engine.model import mtp
 from engine.model.kv_cache import KVCache, model_cache
 from engine.model.layer_spec import LayerSpec
 from engine.model.qwen3_5 import NextN
+from engine.model.qwen4_exp_mtp import Qwen4ExpNextN
 from engine.model.transformer import Transformer, embed_rows, embedding_table
 from engine.ops import blocks
 from engine.ops.blocks import FORMATS, BlockTensor
@@ -145,7 +146,8 @@ def _nextn(files: ModelFiles, config: ModelConfig, target_tensors: dict, dtype: 
     embedding = "model.embed_tokens.weight"
     if embedding in files.shapes and embedding not in tensors:  # an MTP-only file: made from this target?
         _check_same_embedding(files, target_tensors[embedding])
-    draft = NextN(config, tensors, dtype, ctx_per_slot + 1, target_logits, embed_tokens, device)
+    kind = Qwen4ExpNextN if config.family == "qwen4_exp" else NextN
+    draft = kind(config, tensors, dtype, ctx_per_slot + 1, target_logits, embed_tokens, device)
     return draft, draft.specs
 
 

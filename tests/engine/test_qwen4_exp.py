@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from engine.errors import ConfigError
-from engine.model.batch import Row
+from engine.model.batch import ForwardBatch, Row
 from engine.model.indexer import Indexer
 from tests.engine.test_parity import (PROMPT_LEN, assert_matches, load_engine_model, new_cache, one_thread,  # noqa: F401
                                       reference)
@@ -67,6 +67,54 @@ def test_an_end_of_sequence_token_resets_the_n_grams_as_transformers_does(qwen):
         expected = hf(torch.tensor([tokens])).logits[0]
     out = run(model, [[Row(0, 0, tokens[:8])], [Row(0, 8, tokens[8:11])], [Row(0, 11, tokens[11:])]])
     assert_matches(torch.cat([r[0] for r in out]), expected)
+
+
+def test_the_mtp_layer_takes_the_streams_before_the_mixer_as_transformers_modules_compute_it(qwen):
+    # transformers has no MTP module for this model: the documented step (docs/architecture.md,
+    # "Qwen4-Exp's own MTP") is built here from its decoder layer, stream mixer and norms, loaded
+    # with the checkpoint's mtp.* tensors, and fed the target's last layer's streams.
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+    from transformers.models.qwen4_exp.modeling_qwen4_exp import (Qwen4ExpTextDecoderLayer,
+                                                                  Qwen4ExpTextGatedResidual, Qwen4ExpTextRMSNorm)
+
+    from engine.files.weights import open_model
+    from engine.model.kv_cache import KVCache
+    from engine.model.layer_spec import DENSE
+    from engine.model.qwen4_exp_mtp import Qwen4ExpNextN
+    ref, model = qwen
+    hf = AutoModelForCausalLM.from_pretrained(str(ref.path), dtype=torch.float32, attn_implementation="eager").eval()
+    c, tensors = hf.config, load_file(str(ref.path / "model.safetensors"))
+    h, streams = c.hidden_size, c.hc_count
+
+    def loaded(module, prefix):
+        module.load_state_dict({k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)})
+        return module.eval()
+
+    layer = loaded(Qwen4ExpTextDecoderLayer(c, c.layer_types.index("indexed_attention")), "mtp.layers.0.")
+    mixer = loaded(Qwen4ExpTextGatedResidual(c, use_combine=False), "mtp.hyper_connection_mixer.")
+    enorm, hnorm = Qwen4ExpTextRMSNorm(h, eps=c.rms_norm_eps), Qwen4ExpTextRMSNorm(h * streams, eps=c.rms_norm_eps)
+    enorm.weight.data, hnorm.weight.data = tensors["mtp.pre_fc_norm_embedding.weight"], tensors["mtp.pre_fc_norm_hidden.weight"]
+    tokens = torch.tensor([ref.tokens[:10]])
+    t = tokens.shape[1]
+    last = {}
+    hf.model.layers[-1].register_forward_hook(lambda m, i, o: last.setdefault("streams", o))
+    with torch.no_grad():
+        hf(tokens)
+        # Position p pairs the token at p with the streams at p - 1 (zeros before the first).
+        before = torch.cat([torch.zeros(1, 1, h * streams), last["streams"][:, :-1]], dim=1)
+        u = torch.nn.functional.linear(enorm(hf.model.embed_tokens(tokens)), tensors["mtp.fc_embedding.weight"])
+        x = (torch.nn.functional.linear(hnorm(before).unflatten(-1, (streams, h)), tensors["mtp.fc_hidden.weight"])
+             + u[:, :, None]).flatten(-2)
+        cos, sin = hf.model.rotary_emb(x, torch.arange(t).view(1, 1, t).expand(3, 1, t))
+        causal = torch.full((t, t), float("-inf")).triu(1)[None, None]
+        expected = hf.lm_head(mixer(layer(x, position_embeddings=(cos, sin), attention_mask=causal)))[0]
+    files = open_model(ref.path)
+    draft = Qwen4ExpNextN(files.config, files.load_mtp(), "f32", 64, model.head_logits, model.embed_tokens)
+    cache = KVCache(1, 1, 64, files.config.num_kv_heads, files.config.head_dim, specs=[DENSE])
+    batch = ForwardBatch.build([Row(0, 0, ref.tokens[:10])])
+    _, logits = draft(1, before[0], model.embed_tokens(tokens[0]), batch, cache)
+    assert_matches(logits, expected)
 
 
 def test_a_verify_block_runs_each_touched_expert_once(qwen):

@@ -1,0 +1,66 @@
+"""Qwen4-Exp GGUF files as llama.cpp's own converter writes them (tests/fixtures/qwen4_exp, remade by
+its remake.py; the converter leaves the MTP layer out): tandem reads them as the checkpoint they came
+from (experts as three merged tensors, the indexer's projection as two, the n-gram table and its
+hash constants from the metadata), so past the QSA budget it computes transformers' selection
+(tests/engine/test_qwen4_exp.py). llama-server's selection is not transformers': it keeps the top
+budget + ratio - 1 tokens, where the reference keeps budget/ratio whole blocks and the query's tail,
+so a query whose tail is short also attends to a few tokens of the next-best block, which ones
+decided by the order std::partial_sort leaves equal scores in (docs/architecture.md, "Qwen4-Exp
+GGUF files"). So tandem gives llama-server's greedy tokens on every prompt with a budget past the
+context, and with the budget of 8 up to where llama.cpp's selection leaves the reference's."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from engine.engine import Engine
+from engine.files.weights import open_model
+from engine.model.batch import Row
+from engine.sched.sampling import SamplingParams
+from engine.settings import EngineConfig
+from tests.engine.runs import run_all
+from tests.engine.test_parity import assert_matches, load_engine_model, new_cache, one_thread, reference, step  # noqa: F401
+from tests.exact_tokens import assert_same_greedy, next_token_logits
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "qwen4_exp"
+MODEL = FIXTURES / "tiny-qwen4_exp-f32.gguf"
+LLAMA = json.loads((FIXTURES / "llama_server.json").read_text())
+
+
+def test_the_converted_file_reads_as_the_checkpoint_it_came_from(reference):
+    ref = reference("qwen4_exp")  # the same seed and config the fixture was converted from
+    c = open_model(MODEL).config
+    assert (c.experts.count, c.hc_count, c.indexer.ratio, c.ngram.layers, c.linear_gate_act) == \
+        (8, 2, 4, (0,), "sigmoid")
+    model = load_engine_model(MODEL)
+    (logits,), = [step(model, new_cache(model, 1, 4), [Row(0, 0, ref.tokens)])]
+    assert_matches(logits, ref.logits)
+
+
+def greedy(file: str):
+    engine = Engine.load(EngineConfig(model=str(FIXTURES / file), dtype="auto", ctx_size=512))
+    return engine, run_all(engine, LLAMA["prompts"], SamplingParams(temperature=0, max_tokens=LLAMA["n_predict"],
+                                                                    ignore_eos=True))
+
+
+def test_with_a_budget_past_the_context_greedy_tokens_equal_llama_servers():
+    # Every part but the sparse selection: experts, streams, n-grams, Gated DeltaNet, gated attention.
+    engine, requests = greedy("tiny-qwen4_exp-f32-budget512.gguf")
+    assert engine.model.config.indexer.budget == 512
+    for request, theirs in zip(requests, LLAMA["answers"]["f32-wide plain"]):
+        assert_same_greedy(request.output_ids, theirs["tokens"], request.prompt_ids, next_token_logits(engine.model))
+
+
+@pytest.mark.parametrize("fmt", ["f32", "q8_0"])
+def test_greedy_tokens_equal_llama_servers_until_its_selection_leaves_the_references(fmt):
+    engine, requests = greedy(f"tiny-qwen4_exp-{fmt}.gguf")
+    x = engine.model.config.indexer
+    agree = x.budget + x.ratio - 1  # positions a query sees while both selections keep them all
+    for request, theirs in zip(requests, LLAMA["answers"][f"{fmt} plain"]):
+        n = max(0, min(LLAMA["n_predict"], agree - len(request.prompt_ids) + 1))
+        assert_same_greedy(request.output_ids[:n], theirs["tokens"][:n], request.prompt_ids,
+                           next_token_logits(engine.model))
+    # Past it the tokens part on at least one prompt: the comparison above is not vacuous there.
+    assert any(r.output_ids != a["tokens"] for r, a in zip(requests, LLAMA["answers"][f"{fmt} plain"]))
