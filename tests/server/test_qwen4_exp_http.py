@@ -16,15 +16,16 @@ from engine.settings import EngineConfig
 from tests.engine.runs import run_all
 from tests.engine.test_generation import chat_ids
 from tests.exact_tokens import assert_same_greedy, next_token_logits
+from tests.server.test_combinations import DRAFT_EVERY_STEP
 from tests.server.test_qwen3_5_http import PROMPTS, TOKENS, ids_of, two_chats_and_a_stream
 
+# --spec-max-batch 0: both chats decode at once, and past one decoding request the default stops drafting
 MTP = ["--spec-type", "draft-mtp", "--spec-draft-p-min", "0", "--spec-max-batch", "0"]
 CELLS = {
     "main defaults, its own MTP layer": MTP,
-    "-pp 2, the MTP layer on its own rank, 2 slots": [*MTP, "--no-spec-pacing", "-pp", "2", "--spec-draft-rank",
-                                                      "-np", "2"],
-    "the model as its own draft model, 2 slots": ["--spec-type", "draft", "--spec-draft-p-min", "0", "--no-spec-pacing",
-                                                  "-np", "2"],
+    "-pp 2, the MTP layer on its own rank, 2 slots": ["--spec-type", "draft-mtp", *DRAFT_EVERY_STEP, "-pp", "2",
+                                                      "--spec-draft-rank", "-np", "2"],
+    "the model as its own draft model, 2 slots": ["--spec-type", "draft", *DRAFT_EVERY_STEP, "-np", "2"],
 }
 
 
