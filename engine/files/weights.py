@@ -189,7 +189,7 @@ def open_model(path: str | Path | None, trunk: bool = True) -> ModelFiles:
     llama.cpp's converter writes with --mtp), whose trunk tensors are then not checked."""
     if path is None or str(path) == "default":
         path = default_model_path()
-    path = Path(path)
+    path = Path(path).expanduser()  # a proxy profile's args reach the server without a shell
     if not path.exists():
         raise ConfigError(f"model={str(path)!r}: path does not exist")
     if path.is_dir():
