@@ -23,6 +23,7 @@ from engine.files.model_config import ModelConfig
 from engine.model.batch import ForwardBatch
 from engine.model.norm import GroupedRMSNorm
 from engine.model.recurrent_cache import RecurrentCache, kept_of_long_row
+from engine.ops import blocks
 from engine.ops.quant import Linear, compute_dtype
 
 
@@ -80,12 +81,13 @@ class NgramEmbedding(nn.Module):
         return torch.cat(orders, dim=-1)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
-        """Table rows ids [T, heads] -> [T, embed_dim], each from the shard that holds it."""
+        """Table rows ids [T, heads] -> [T, embed_dim], each from the shard that holds it, widened
+        row by row from the file's format (a GGUF may store the table in blocks)."""
         shard = torch.bucketize(ids, self.shard_ends, right=True)
         out = torch.empty(*ids.shape, self.shards[0].shape[1])
         for s in shard.unique().tolist():
             at = shard == s
-            out[at] = self.shards[s][ids[at] - (self.shard_ends[s - 1] if s else 0)]
+            out[at] = blocks.to_f32(blocks.take_rows(self.shards[s], ids[at] - (self.shard_ends[s - 1] if s else 0)))
         return out.flatten(-2)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: RecurrentCache, layer: int) -> torch.Tensor:

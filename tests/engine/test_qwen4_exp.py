@@ -157,3 +157,25 @@ def test_the_compression_flags_are_refused_on_a_model_with_its_own_indexer(qwen)
         with_compression(model.config, CompressRatios.parse("all:4"), None)
     assert str(e.value) == ("compress_ratios: this model's QSA is its indexer's (indexer_compress_ratio=4, "
                             "indexer_budget=8); the flag applies to models without one")
+
+
+def test_an_n_gram_table_stored_in_blocks_is_read_row_by_row_as_its_widened_rows(qwen):
+    # llama.cpp's converter writes the table in Q8_0 when asked for a q8_0 file and its rows (one
+    # head's slice of the embedding) are whole blocks; tandem keeps it as stored and widens only the
+    # rows a step reads. The tiny's rows are 4 wide, so these stand-in shards are 32 wide.
+    from engine.ops.blocks import BlockTensor, dequantize, quantize
+    _, model = qwen
+    ple = next(m for m in model.modules() if hasattr(m, "shards"))
+    ends = ple.shard_ends.tolist()
+    sizes = [b - a for a, b in zip([0, *ends], ends)]
+    stored = [BlockTensor("q8_0", quantize(torch.randn(n, 32), "q8_0"), 32) for n in sizes]
+    ids = torch.randint(0, ends[-1], (5, ple.sizes.numel()))
+    original = ple.shards
+    try:
+        ple.shards = [dequantize(b.data, "q8_0", 32) for b in stored]
+        expected = ple.rows(ids)
+        ple.shards = stored
+        got = ple.rows(ids)
+    finally:
+        ple.shards = original
+    assert got.shape == (5, ple.sizes.numel() * 32) and torch.equal(got, expected)
