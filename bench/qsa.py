@@ -10,7 +10,8 @@ first difference, and the share of equal positions). The default model was train
 is an approximation of it here: these figures say how close, not how good a QSA-trained model is.
 
 speed: decode step time (ms, median over steps, best of `--runs`) after a prompt of each context
-length, dense against `all:4` at the budget, alternating the two engines run by run.
+length, dense against `all:4` at the budget, alternating the two engines run by run. A model with
+its own QSA indexer (Qwen4-Exp) runs as it is against `--compress-ratios none`, its dense twin.
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ import torch
 
 from bench.formats import prompt_tokens
 from engine import CompressRatios, Engine, EngineConfig, SamplingParams
+from engine.files.weights import open_model
 from engine.model.batch import ForwardBatch, Row
 from engine.model.kv_cache import KVCache
 
@@ -32,8 +34,7 @@ CHUNK = 512
 
 def load(model: str, dtype: str, ctx: int, pattern: str | None, budget: int | None) -> Engine:
     ratios = CompressRatios.parse(pattern) if pattern else None
-    return Engine.load(EngineConfig(model=model, dtype=dtype, ctx_size=ctx, compress_ratios=ratios,
-                                    qsa_budget=budget if pattern else None))
+    return Engine.load(EngineConfig(model=model, dtype=dtype, ctx_size=ctx, compress_ratios=ratios, qsa_budget=budget))
 
 
 @torch.inference_mode()
@@ -84,7 +85,11 @@ def step_ms(engine: Engine, ids: list[int], steps: int) -> float:
 
 def speed(a) -> list[dict]:
     ctx = max(a.contexts) + a.steps + 8
-    engines = {"dense": load(a.model, a.dtype, ctx, None, None), "all:4": load(a.model, a.dtype, ctx, "all:4", a.budget)}
+    if open_model(a.model).config.indexer is not None:  # its own QSA against its dense twin
+        engines = {"dense": load(a.model, a.dtype, ctx, "none", None), "indexer": load(a.model, a.dtype, ctx, None, None)}
+    else:
+        engines = {"dense": load(a.model, a.dtype, ctx, None, None),
+                   "all:4": load(a.model, a.dtype, ctx, "all:4", a.budget)}
     ids = prompt_tokens(engines["dense"].tokenizer, max(a.contexts))
     rows = []
     for context in a.contexts:

@@ -5,7 +5,8 @@
 For each format it loads the engine, measures its decode step on bench.formats' TG workload, and
 times the step's parts alone on the model's own weights and cache, one row as at batch 1: each kind
 of linear layer over all layers that have it, attention over --context cached positions, the
-decoder layers as the engine runs them (one kernel call), and the lm_head; and a whole step's
+decoder layers as the engine runs them (one kernel call), and the lm_head (on the families whose
+decode step is one kernel call; on the others, the linear layers alone); and a whole step's
 forward and logits for a decode row against a verify row of 1 + --verify tokens, their ratio the
 cost of verifying drafts. What the step takes beyond the layers and
 the lm_head is the embedding, the final norm, sampling, scheduling and Python. Parts are medians of
@@ -18,6 +19,7 @@ can even come out negative: compare formats within one run.
 from __future__ import annotations
 
 import argparse
+import re
 import statistics
 import time
 from collections.abc import Callable
@@ -40,12 +42,13 @@ def weight_bytes(layer: Linear) -> int:
 
 def linears_by_kind(layers) -> dict[str, list[Linear]]:
     """Every layer's linear layers by name within the layer (self_attn.qkv_proj, linear_attn.in_proj,
-    mlp.down_proj, ...): each kind of projection over all layers that have it."""
+    mlp.down_proj, ...): each kind of projection over all layers that have it, every routed expert's
+    together (mlp.experts.*.down_proj: more than a token reads, which is its top-k)."""
     kinds: dict[str, list[Linear]] = {}
     for layer in layers:
         for name, module in layer.named_modules():
             if isinstance(module, Linear):
-                kinds.setdefault(name, []).append(module)
+                kinds.setdefault(re.sub(r"experts\.\d+\.", "experts.*.", name), []).append(module)
     return kinds
 
 
@@ -59,22 +62,23 @@ def step_parts(system: TandemSystem, context: int, verify: int) -> dict[str, tup
         parts[f"linear {name}"] = ((lambda ls=linears, x=x: [kernels.linear_rows(x, l.weight, l.scale, l.bias)
                                                              for l in ls]),
                                    sum(weight_bytes(l) for l in linears))
-    attention = [layer for layer in layers if layer.self_attn is not None]
-    a = attention[0].self_attn
-    q = torch.randn(1, a.heads, a.head_dim)
-    slots, lengths = torch.zeros(1, dtype=torch.long), torch.full((1,), context, dtype=torch.long)
-    parts["attention"] = (lambda: [kernels.decode_attention(q, cache.k[layer.index], cache.v[layer.index], slots,
-                                                            lengths, a.head_dim ** -0.5) for layer in attention], 0)
     hidden = torch.randn(1, model.config.hidden_size)
+    all_linears = sum(weight_bytes(l) for ls in linears_by_kind(layers).values() for l in ls)
+    batch = ForwardBatch.build([Row(0, context, [0])])  # one decode token of slot 0 at position `context`
     rotary = model.config.rotary_dim
     cos, sin = torch.ones(1, rotary), torch.zeros(1, rotary)
-    batch = ForwardBatch.build([Row(0, context, [0])])  # one decode token of slot 0 at position `context`
     with torch.inference_mode():
-        if fused_layers(layers, hidden, batch, cos, sin, cache) is None:
-            raise RuntimeError("this model's decode step does not take the one-call layer kernel")
-    all_linears = sum(weight_bytes(l) for ls in linears_by_kind(layers).values() for l in ls)
-    parts["decoder layers (one call)"] = ((lambda: fused_layers(layers, hidden, batch, cos, sin, cache)), all_linears)
-    parts["lm_head"] = ((lambda: model.lm_head(hidden)), weight_bytes(model.lm_head))
+        fused = fused_layers(layers, hidden, batch, cos, sin, cache) is not None
+    if fused:  # the Llama-shaped families: attention and the layers' one kernel call timed alone
+        attention = [layer for layer in layers if layer.self_attn is not None]
+        a = attention[0].self_attn
+        q = torch.randn(1, a.heads, a.head_dim)
+        slots, lengths = torch.zeros(1, dtype=torch.long), torch.full((1,), context, dtype=torch.long)
+        parts["attention"] = (lambda: [kernels.decode_attention(q, cache.k[layer.index], cache.v[layer.index], slots,
+                                                                lengths, a.head_dim ** -0.5) for layer in attention], 0)
+        parts["decoder layers (one call)"] = ((lambda: fused_layers(layers, hidden, batch, cos, sin, cache)),
+                                              all_linears)
+        parts["lm_head"] = ((lambda: model.lm_head(hidden)), weight_bytes(model.lm_head))
     # A whole step's forward and logits for one decode row, and for a verify row of 1 + `verify`
     # tokens (the last sampled token and the drafts), both from `context` cached positions.
     for rows in (1, 1 + verify):
@@ -120,8 +124,9 @@ def main(argv: list[str] | None = None) -> int:
         for part, (_, nbytes) in parts[s.name].items():
             rate = f"{nbytes / ms[part] / 1e6:6.1f}" if nbytes else ""
             print(f"{part:28s} {ms[part]:7.2f} {ms[part] / step:8.0%} {nbytes / 1e6:8.3f} {rate:>6s}")
-        rest = step - ms["decoder layers (one call)"] - ms["lm_head"]
-        print(f"{'rest of the step':28s} {rest:7.2f} {rest / step:8.0%}   (embedding, final norm, sampling, Python)")
+        if "lm_head" in ms:
+            rest = step - ms["decoder layers (one call)"] - ms["lm_head"]
+            print(f"{'rest of the step':28s} {rest:7.2f} {rest / step:8.0%}   (embedding, final norm, sampling, Python)")
         decode, verify = ms["forward + logits, 1 row"], ms[f"forward + logits, {1 + args.verify} rows"]
         print(f"a verify row of 1 + {args.verify} tokens costs {verify / decode:.2f}x a decode row "
               f"({verify:.2f} against {decode:.2f} ms)")

@@ -351,12 +351,16 @@ def with_compression(c: ModelConfig, override: CompressRatios | None, budget: in
     """The target's config with --compress-ratios and --qsa-budget applied, and the detached draft's
     layer ratios (its file's, unless the list form gives them after the trunk's). The trunk and the
     draft are checked together: they share one ratio and the budget. A model with its own QSA
-    indexer (Qwen4-Exp) takes neither flag: its ratio and budget are what it was trained with."""
-    if c.indexer is not None and (override is not None or budget is not None):
+    indexer (Qwen4-Exp) takes neither flag, its ratio and budget being what it was trained with, but
+    `--compress-ratios none`: dense attention on every layer, its indexer unused (the dense twin that
+    QSA's speed and quality are measured against)."""
+    n = c.num_layers
+    dense = override is not None and not any(override.expand(n))
+    if c.indexer is not None and (budget is not None or (override is not None and not dense)):
         flag = "compress_ratios" if override is not None else "qsa_budget"
         raise ConfigError(f"{flag}: this model's QSA is its indexer's (indexer_compress_ratio={c.indexer.ratio}, "
-                          f"indexer_budget={c.indexer.budget}); the flag applies to models without one")
-    n = c.num_layers
+                          f"indexer_budget={c.indexer.budget}); the flag applies to models without one "
+                          f"(compress_ratios none makes every layer dense)")
     trunk = c.layer_ratios
     if override is not None:
         given = override.expand(n)

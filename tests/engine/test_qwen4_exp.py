@@ -156,7 +156,29 @@ def test_the_compression_flags_are_refused_on_a_model_with_its_own_indexer(qwen)
     with pytest.raises(ConfigError) as e:
         with_compression(model.config, CompressRatios.parse("all:4"), None)
     assert str(e.value) == ("compress_ratios: this model's QSA is its indexer's (indexer_compress_ratio=4, "
-                            "indexer_budget=8); the flag applies to models without one")
+                            "indexer_budget=8); the flag applies to models without one "
+                            "(compress_ratios none makes every layer dense)")
+
+
+def test_compress_ratios_none_makes_the_indexed_layers_dense_attention_without_index_storage(qwen, monkeypatch):
+    # The dense twin QSA is measured against: the same logits as the indexed layers keeping every
+    # position, and no indexer keys or block keys in the cache.
+    from engine.files.model_config import with_compression
+    from engine.files.weights import open_model
+    from engine.model.transformer import Transformer
+    from engine.settings import CompressRatios
+    from tests.engine.test_parity import MAX_POSITIONS
+    ref, model = qwen
+    config, _ = with_compression(model.config, CompressRatios.parse("none"), None)
+    dense = Transformer(config, open_model(ref.path).load_tensors(), dtype="f32", max_positions=MAX_POSITIONS)
+    assert {s.kind for s in dense.specs} == {"recurrent", "dense"}
+    cache = new_cache(dense, 1, STEPS)
+    assert all(k is None for k in (*cache.ikeys, *cache.iblocks, *cache.kpool))
+    (got,), = run(dense, [[Row(0, 0, ref.tokens)]])
+    monkeypatch.setattr(Indexer, "allowed", lambda self, q, blocks, positions, length:
+                        torch.arange(length) <= positions[:, None])
+    (everything,), = run(model, [[Row(0, 0, ref.tokens)]])
+    assert_matches(got, everything)
 
 
 def test_an_n_gram_table_stored_in_blocks_is_read_row_by_row_as_its_widened_rows(qwen):
