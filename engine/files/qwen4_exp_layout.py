@@ -38,6 +38,12 @@ def _offset_norm(name: str) -> bool:
         and not name.endswith("linear_attn.norm.weight")
 
 
+def is_ngram_table(name: str) -> bool:
+    """Whether a tensor (tandem's name) is a shard of an n-gram table: read by row from the file's
+    map, in the file's type, never copied whole (the real model's table is 27 GB)."""
+    return ".ngram_embedding.shard_" in name
+
+
 def adapt_hf(name: str, tensor: torch.Tensor) -> torch.Tensor:
     """An HF checkpoint's tensor (under tandem's name) in the form tandem computes with; f32 but
     for the hash constants."""

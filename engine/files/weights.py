@@ -11,6 +11,7 @@ import importlib.metadata
 import json
 import logging
 import struct
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -339,10 +340,48 @@ def _load_safetensors(path: Path, names: dict, family: str) -> dict[str, torch.T
         with safe_open(str(f), framework="pt") as st:
             for stored in st.keys():
                 name = _tandem_name(stored, family)
-                if name in names:
+                if name in names and family == "qwen4_exp" and qwen4_exp_layout.is_ngram_table(name):
+                    out[name] = _mapped_safetensor(f, stored)
+                elif name in names:
                     tensor = st.get_tensor(stored)
                     out[name] = HF_LAYOUTS[family].adapt_hf(name, tensor) if family in HF_LAYOUTS else tensor.float()
     return out
+
+
+def _read_only(array: np.ndarray) -> torch.Tensor:
+    """A tensor over a read-only file map, without a copy (torch warns that it cannot be written to:
+    tandem never writes weights)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(array)
+
+
+def _mapped_gguf(t: GGUFTensor, shape: tuple[int, ...]) -> torch.Tensor | BlockTensor:
+    """A GGUF tensor of a plain or served block type over the file's map, in its own type."""
+    kind = int(t.tensor_type)
+    if kind in GGUF_TYPES:
+        return BlockTensor(GGUF_TYPES[kind], _read_only(t.data.reshape(shape[0], -1)), shape[1])
+    if GGUF_PLAIN_TYPES[kind] == "BF16":
+        return _read_only(t.data.view(np.uint16)).view(torch.bfloat16).reshape(shape)
+    return _read_only(t.data).reshape(shape)
+
+
+_SAFETENSORS_DTYPES = {"F32": (np.float32, None), "F16": (np.float16, None), "BF16": (np.uint16, torch.bfloat16)}
+
+
+def _mapped_safetensor(file: Path, name: str) -> torch.Tensor:
+    """A safetensors tensor over a map of its bytes in the file, in its own type (the format: an
+    8-byte little-endian header length, a JSON header of dtype, shape and data_offsets, the data)."""
+    with open(file, "rb") as fh:
+        length = int.from_bytes(fh.read(8), "little")
+        entry = json.loads(fh.read(length))[name]
+    if entry["dtype"] not in _SAFETENSORS_DTYPES:
+        raise WeightsError(f"tensor {name} in {file}: dtype {entry['dtype']}: an n-gram table must be F32, F16 or BF16")
+    dtype, view = _SAFETENSORS_DTYPES[entry["dtype"]]
+    start, end = entry["data_offsets"]
+    count = (end - start) // np.dtype(dtype).itemsize
+    tensor = _read_only(np.memmap(file, dtype=dtype, mode="r", offset=8 + length + start, shape=(count,)))
+    return (tensor.view(view) if view else tensor).reshape(entry["shape"])
 
 
 def _unpermute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -361,6 +400,9 @@ def _load_gguf(tensors: list[GGUFTensor], config: ModelConfig, names: dict,
         if hf not in names:
             continue
         shape = names[hf]
+        if qwen4_exp_layout.is_ngram_table(hf) and int(t.tensor_type) in (*GGUF_PLAIN_TYPES, *GGUF_TYPES):
+            out[hf] = _mapped_gguf(t, shape)
+            continue
         fmt = GGUF_TYPES.get(int(t.tensor_type)) if keep_blocks and len(shape) == 2 else None
         if fmt is None:
             data = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False).reshape(shape)

@@ -14,6 +14,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from engine.engine import Engine
 from engine.files.weights import open_model
@@ -64,3 +65,47 @@ def test_greedy_tokens_equal_llama_servers_until_its_selection_leaves_the_refere
                            next_token_logits(engine.model))
     # Past it the tokens part on at least one prompt: the comparison above is not vacuous there.
     assert any(r.output_ids != a["tokens"] for r, a in zip(requests, LLAMA["answers"][f"{fmt} plain"]))
+
+
+def file_maps(path: Path) -> list[tuple[int, int]]:
+    """The address ranges this process maps from `path` (Linux's /proc/self/maps)."""
+    spans = []
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        fields = line.split()
+        if len(fields) >= 6 and Path(fields[5]) == path.resolve():
+            start, end = (int(a, 16) for a in fields[0].split("-"))
+            spans.append((start, end))
+    return spans
+
+
+def bf16_copy(checkpoint: Path, out: Path) -> Path:
+    """The checkpoint in bf16, as the real model's is published."""
+    import shutil
+    from safetensors.torch import load_file, save_file
+    out.mkdir()
+    for f in checkpoint.iterdir():
+        if f.suffix == ".safetensors":
+            save_file({n: t.bfloat16() if t.is_floating_point() else t for n, t in load_file(f).items()}, out / f.name)
+        else:
+            shutil.copy(f, out / f.name)
+    return out
+
+
+@pytest.mark.parametrize("source", ["gguf", "bf16 checkpoint"])
+def test_the_n_gram_table_is_read_from_the_files_map_in_its_type_never_copied(reference, tmp_path, source):
+    # The real model's table is 27 GB (bf16) of which a token reads a few rows: its shards stay in
+    # the file's map, in the file's type (the GGUF's one tensor, the checkpoint's shards).
+    from engine.ops.blocks import BlockTensor
+    path = MODEL if source == "gguf" else bf16_copy(reference("qwen4_exp").path, tmp_path / "bf16")
+    tensors = open_model(path).load_tensors()
+    spans = file_maps(path if source == "gguf" else next(path.glob("*.safetensors")))
+
+    def mapped(t) -> bool:
+        address = (t.data if isinstance(t, BlockTensor) else t).data_ptr()
+        return any(start <= address < end for start, end in spans)
+    shards = [n for n in tensors if ".ngram_embedding.shard_" in n]
+    assert len(shards) == (1 if source == "gguf" else json.loads((path / "config.json").read_text())["split_ngram_parts"])
+    assert all(mapped(tensors[n]) for n in shards)
+    assert all(tensors[n].dtype == (torch.float32 if source == "gguf" else torch.bfloat16) for n in shards)
+    # What a step reads whole is read into memory (widened from bf16, or from a GGUF's map).
+    assert not any(mapped(t) for n, t in tensors.items() if n not in shards and t.dtype != torch.int64)
