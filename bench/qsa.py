@@ -85,7 +85,9 @@ def step_ms(engine: Engine, ids: list[int], steps: int) -> float:
 
 def speed(a) -> list[dict]:
     ctx = max(a.contexts) + a.steps + 8
-    if open_model(a.model).config.indexer is not None:  # its own QSA against its dense twin
+    indexer = open_model(a.model).config.indexer
+    budget = a.budget if indexer is None else indexer.budget
+    if indexer is not None:  # its own QSA against its dense twin
         engines = {"dense": load(a.model, a.dtype, ctx, "none", None), "indexer": load(a.model, a.dtype, ctx, None, None)}
     else:
         engines = {"dense": load(a.model, a.dtype, ctx, None, None),
@@ -97,7 +99,7 @@ def speed(a) -> list[dict]:
         for _ in range(a.runs):
             for name, engine in engines.items():
                 best[name] = min(best[name], step_ms(engine, ids[:context], a.steps))
-        row = {"context": context, "dtype": a.dtype, "budget": a.budget,
+        row = {"context": context, "dtype": a.dtype, "budget": budget,
                **{f"{name}_step_ms": round(ms, 2) for name, ms in best.items()}}
         print(json.dumps(row), flush=True)
         rows.append(row)
