@@ -100,7 +100,8 @@ class Attention(nn.Module):
     def _indexed(self, q, raw, positions, row, keys, values, cache: KVCache, layer: int):
         """A row of an indexed layer: its raw indexer keys raw [T, index_dim] and the keys of the
         blocks it completes written; (keys, values, mask) its queries q [T, heads, index_dim] at
-        `positions` attend. A single query reads only its selected keys."""
+        `positions` attend. A single query reads only its selected keys; several (a verify block, a prompt
+        chunk) the union of theirs, each query masked to its own."""
         x, start, end = self.indexer, row.start, row.start + len(row.tokens)
         cache.write_index_keys(layer, row.slot, start, raw)
         first, last = start // x.ratio, end // x.ratio
@@ -108,12 +109,13 @@ class Attention(nn.Module):
             cache.write_index_blocks(layer, row.slot, first,
                                      x.pool(cache.read_index_keys(layer, row.slot, first * x.ratio, last * x.ratio), first))
         allowed = x.allowed(q, cache.read_index_blocks(layer, row.slot, last), positions, end)
-        if len(positions) > 1:
-            return keys, values, allowed
         if bool(allowed.all()):
             return keys, values, None
-        index = allowed[0].nonzero()[:, 0]
-        return keys[:, index], values[:, index], None
+        if len(positions) == 1:
+            index = allowed[0].nonzero()[:, 0]
+            return keys[:, index], values[:, index], None
+        index = allowed.any(0).nonzero()[:, 0]  # the union of the queries' selections, masked per query
+        return keys[:, index], values[:, index], allowed[:, index]
 
     def _probe(self, q, k, batch: ForwardBatch, cache: KVCache, layer: int) -> None:
         """Hand the probed rows' q and k, and the keys they attended, to their probes when this

@@ -201,3 +201,19 @@ def test_an_n_gram_table_stored_in_blocks_is_read_row_by_row_as_its_widened_rows
     finally:
         ple.shards = original
     assert got.shape == (5, ple.sizes.numel() * 32) and torch.equal(got, expected)
+
+
+def test_a_verify_block_past_the_budget_reads_only_the_union_of_its_queries_selections(qwen, monkeypatch):
+    # Its logits are the reference's (test_prompt_chunks_then_decode_past_the_budget_match runs such
+    # blocks); here, the keys it attends: fewer than the context, at least the budget.
+    from engine.model.attention import Attention
+    ref, model = qwen
+    read = []
+    attend = Attention._attend
+    monkeypatch.setattr(Attention, "_attend", lambda self, q, keys, values, mask:
+                        read.append((q.shape[0], keys.shape[1])) or attend(self, q, keys, values, mask))
+    start = len(ref.tokens) - 4
+    run(model, [[Row(0, 0, ref.tokens[:start])], [Row(0, start, ref.tokens[start:])]])
+    spec = next(s for s in model.specs if s.is_qsa)
+    blocks = [keys for t, keys in read if t == 4]
+    assert blocks and all(spec.budget < keys < len(ref.tokens) for keys in blocks)
