@@ -120,7 +120,7 @@ def device_needs(config: EngineConfig, model: ModelConfig, placement: Placement,
     draft_positions = config.ctx_per_slot * config.parallel
     draft_kv = ("bf16", "bf16") if compute_dtype(dtype) == torch.bfloat16 else ("f32", "f32")
     if spec is not None and spec.runs_mtp and draft.nextn is not None:  # the model's own MTP layers
-        layers = model.num_nextn_predict_layers
+        layers = draft.nextn.config.num_nextn_predict_layers  # the file's (a target without them: -md's)
         h = model.hidden_size  # its projection of [embedding; hidden] and three norms beside the blocks
         need.weights += layers * layer_weight_bytes(model, dtype, model.num_layers) \
             + 2 * h * h * BYTES_PER_WEIGHT[dtype] + (4 * h if dtype == "int8" else 0) \

@@ -145,8 +145,10 @@ def mtp_shapes(c: ModelConfig, shapes: dict[str, tuple[int, ...]]) -> dict[str, 
     as `shapes`, the file's, has them), and its own stream mixer. Its indexer's tensors, which a
     checkpoint may hold, are not read: the layer attends densely."""
     h, wide = c.hidden_size, c.residual_width
-    out = {"mtp.fc_embedding.weight": (h, h), "mtp.fc_hidden.weight": (h, h),
-           "mtp.pre_fc_norm_embedding.weight": (h,), "mtp.pre_fc_norm_hidden.weight": (wide,),
+    # A GGUF holds the two projections as one, [fc_embedding | fc_hidden] along its input.
+    fc = {"mtp.fc.weight": (h, 2 * h)} if "mtp.fc.weight" in shapes else \
+        {"mtp.fc_embedding.weight": (h, h), "mtp.fc_hidden.weight": (h, h)}
+    out = {**fc, "mtp.pre_fc_norm_embedding.weight": (h,), "mtp.pre_fc_norm_hidden.weight": (wide,),
            **hyper_shapes(c, "mtp.hyper_connection_mixer.", inject=False)}
     for k in range(c.num_nextn_predict_layers):
         p = f"mtp.layers.{k}."
@@ -184,16 +186,29 @@ def gguf_shape(name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
     return (1, shape[0]) if name.endswith("shared_expert_gate.weight") and len(shape) == 1 else shape
 
 
+# The MTP layer's own tensors in an MTP-only GGUF (blk.N.nextn.*, N the trunk's layer count), as
+# llama.cpp's qwen4exp MTP export writes them: the combiner's two projections as one eh_proj, the
+# head's stream mixer per block.
+_GGUF_NEXTN = {"nextn.eh_proj.weight": "mtp.fc.weight", "nextn.enorm.weight": "mtp.pre_fc_norm_embedding.weight",
+               "nextn.hnorm.weight": "mtp.pre_fc_norm_hidden.weight",
+               **{f"nextn.hc_head_{part}.weight": f"mtp.hyper_connection_mixer.{name}.weight"
+                  for part, name in _HYPER.items() if part != "inject"}}
+
+
 def gguf_name(name: str, trunk: int, ple_layers: tuple[int, ...]) -> str | None:
     """tandem's name of a qwen4exp GGUF tensor, None for one it does not read. The model's one
-    n-gram table is its PLE layer's."""
+    n-gram table is its PLE layer's; blocks past the trunk are its MTP layers."""
     if name in _GGUF_GLOBAL:
         return _GGUF_GLOBAL[name]
     if name == "per_layer_token_embd.weight" and ple_layers:
         return f"model.layers.{ple_layers[0]}.ple.ple_embedding.ngram_embedding.shard_0.weight"
     parts = name.split(".", 2)
-    if parts[0] != "blk" or len(parts) != 3 or not parts[1].isdecimal() or int(parts[1]) >= trunk:
+    if parts[0] != "blk" or len(parts) != 3 or not parts[1].isdecimal():
         return None
-    rest = parts[2]
+    layer, rest = int(parts[1]), parts[2]
+    if layer >= trunk and rest in _GGUF_NEXTN:
+        return _GGUF_NEXTN[rest]
     own = _GGUF_LAYER.get(rest) or qwen3_5_layout.GGUF_LAYER.get(rest)
-    return f"model.layers.{parts[1]}.{own}" if own else None
+    if own is None:
+        return None
+    return f"model.layers.{layer}.{own}" if layer < trunk else f"mtp.layers.{layer - trunk}.{own}"

@@ -10,6 +10,7 @@ from engine.files.model_config import ModelConfig
 from engine.model.hyper_connections import HyperConnection
 from engine.model.norm import RMSNorm
 from engine.model.qwen3_5 import NextN
+from engine.ops import blocks
 from engine.ops.quant import Linear
 
 
@@ -28,8 +29,13 @@ class Qwen4ExpNextN(NextN):
         self.streams, self.hidden = c.hc_count, c.hidden_size
         self.enorm = RMSNorm(t["mtp.pre_fc_norm_embedding.weight"], eps, cdt).to(d)
         self.hnorm = RMSNorm(t["mtp.pre_fc_norm_hidden.weight"], eps, cdt).to(d)
-        self.fc_embedding = Linear(t["mtp.fc_embedding.weight"], None, dtype).to(d)
-        self.fc_hidden = Linear(t["mtp.fc_hidden.weight"], None, dtype).to(d)
+        if "mtp.fc.weight" in t:  # a GGUF's eh_proj: [fc_embedding | fc_hidden] along the input
+            fc = blocks.to_f32(t["mtp.fc.weight"])
+            embedding, hidden = fc[:, :self.hidden].contiguous(), fc[:, self.hidden:].contiguous()
+        else:
+            embedding, hidden = t["mtp.fc_embedding.weight"], t["mtp.fc_hidden.weight"]
+        self.fc_embedding = Linear(embedding, None, dtype).to(d)
+        self.fc_hidden = Linear(hidden, None, dtype).to(d)
         self.mixer = HyperConnection(c, t, "mtp.hyper_connection_mixer.", dtype, inject=False).to(d)
 
     def combine(self, embeddings: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:

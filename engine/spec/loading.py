@@ -1,7 +1,7 @@
 """Which drafter a SpecConfig asks for: its files checked from headers, then loaded with its cache."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -147,7 +147,11 @@ def _nextn(files: ModelFiles, config: ModelConfig, target_tensors: dict, dtype: 
     if embedding in files.shapes and embedding not in tensors:  # an MTP-only file: made from this target?
         _check_same_embedding(files, target_tensors[embedding])
     kind = Qwen4ExpNextN if config.family == "qwen4_exp" else NextN
-    draft = kind(config, tensors, dtype, ctx_per_slot + 1, target_logits, embed_tokens, device)
+    # The layers are the file's, dense: a target converted without them (-md then gives them) counts none.
+    k = files.config.num_nextn_predict_layers
+    ratios = config.compress_ratios[:config.num_layers] + (0,) * k if config.compress_ratios else ()
+    layers = replace(config, num_nextn_predict_layers=k, compress_ratios=ratios)
+    draft = kind(layers, tensors, dtype, ctx_per_slot + 1, target_logits, embed_tokens, device)
     return draft, draft.specs
 
 

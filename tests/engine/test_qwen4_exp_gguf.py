@@ -20,7 +20,7 @@ from engine.engine import Engine
 from engine.files.weights import open_model
 from engine.model.batch import Row
 from engine.sched.sampling import SamplingParams
-from engine.settings import EngineConfig
+from engine.settings import EngineConfig, SpecConfig
 from tests.engine.runs import run_all
 from tests.engine.test_parity import assert_matches, load_engine_model, new_cache, one_thread, reference, step  # noqa: F401
 from tests.exact_tokens import assert_same_greedy, next_token_logits
@@ -109,3 +109,78 @@ def test_the_n_gram_table_is_read_from_the_files_map_in_its_type_never_copied(re
     assert all(tensors[n].dtype == (torch.float32 if source == "gguf" else torch.bfloat16) for n in shards)
     # What a step reads whole is read into memory (widened from bf16, or from a GGUF's map).
     assert not any(mapped(t) for n, t in tensors.items() if n not in shards and t.dtype != torch.int64)
+
+
+def mtp_only_gguf(checkpoint: Path, trunk_file: Path, out: Path) -> Path:
+    """The checkpoint's MTP layer as an MTP-only GGUF in the layout of llama.cpp's qwen4exp MTP export
+    (docs/architecture.md, "Qwen4-Exp's own MTP"; the converter these tests run has no such export):
+    the trunk file's metadata with one more block (dense, not recurrent) and no n-gram table; the
+    block's tensors under the trunk's GGUF names at blk.N, N the trunk's layer count; fc_embedding
+    and fc_hidden as one nextn.eh_proj, the norms as nextn.enorm and nextn.hnorm, the head's mixer
+    as nextn.hc_head_*; the token embedding, as that export keeps it."""
+    import gguf
+    from engine.files.qwen4_exp_layout import gguf_name
+    files = open_model(checkpoint)
+    c, mtp = files.config, files.load_mtp()
+    n = c.num_layers
+    reader = gguf.GGUFReader(trunk_file)
+    attention = next(i for i in range(n) if not c.is_recurrent(i))
+    # The GGUF name of each tensor of a trunk attention layer, by tandem's name within the layer.
+    gguf_of = {gguf_name(t.name, n, ()).split(".", 3)[3]: t.name.split(".", 2)[2]
+               for t in reader.tensors if t.name.startswith(f"blk.{attention}.")}
+    writer = gguf.GGUFWriter(str(out), "qwen4exp")
+    arch = "qwen4exp."
+    replaced = {arch + "block_count": n + 1, arch + "nextn_predict_layers": 1}
+    for field in reader.fields.values():
+        name = field.name
+        if name.startswith("GGUF.") or name == "general.architecture" or name in replaced or \
+                name.startswith((arch + "ple.", arch + "embedding_length_per_layer_input")):
+            continue
+        value = field.contents()
+        if name in (arch + "attention.compress_ratios", arch + "attention.recurrent_layers"):
+            value = [*value, 0 if name.endswith("compress_ratios") else False]
+        array = field.types[0] == gguf.GGUFValueType.ARRAY
+        writer.add_key_value(name, value, field.types[0], sub_type=field.types[-1] if array else None)
+    for name, value in replaced.items():
+        writer.add_uint32(name, value)
+    block = f"blk.{n}."
+    tensors = {"token_embd.weight": files.read({"model.embed_tokens.weight": (c.vocab_size, c.hidden_size)})
+               ["model.embed_tokens.weight"],
+               block + "nextn.eh_proj.weight": torch.cat([mtp.pop("mtp.fc_embedding.weight"),
+                                                          mtp.pop("mtp.fc_hidden.weight")], dim=1),
+               block + "nextn.enorm.weight": mtp.pop("mtp.pre_fc_norm_embedding.weight"),
+               block + "nextn.hnorm.weight": mtp.pop("mtp.pre_fc_norm_hidden.weight")}
+    for part, own in (("norm", "hc_norm"), ("down", "input_mix_weight_down"), ("up", "input_mix_weight_up")):
+        tensors[block + f"nextn.hc_head_{part}.weight"] = mtp.pop(f"mtp.hyper_connection_mixer.{own}.weight")
+    gate_up = mtp.pop("mtp.layers.0.mlp.experts.gate_up_proj")
+    mtp["mtp.layers.0.mlp.experts.gate_proj"], mtp["mtp.layers.0.mlp.experts.up_proj"] = gate_up.chunk(2, dim=1)
+    for name, tensor in mtp.items():
+        tensors[block + gguf_of[name[len("mtp.layers.0."):]]] = tensor
+    for name, tensor in tensors.items():
+        writer.add_tensor(name, tensor.float().contiguous().numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
+def test_an_mtp_only_gguf_given_with_md_drafts_as_the_checkpoints_own_mtp_layer(reference, tmp_path):
+    # The GGUF target with its MTP layer from a file of its own proposes, keeps and rolls back what
+    # the checkpoint drafting with its own mtp.* does, and its greedy tokens are the plain ones.
+    checkpoint = reference("qwen4_exp").path
+    draft = mtp_only_gguf(checkpoint, MODEL, tmp_path / "mtp-tiny-qwen4_exp-f32.gguf")
+    files = open_model(draft, trunk=False)
+    assert not files.has_trunk and files.has_mtp and "mtp.fc.weight" in files.shapes
+    spec = dict(type="draft-mtp", n_max=3, p_min=0.0, pacing=False)
+    params = SamplingParams(temperature=0, max_tokens=LLAMA["n_predict"], ignore_eos=True)
+    answers = {}
+    for name, model, config in (("plain", MODEL, None), ("own", checkpoint, SpecConfig(**spec)),
+                                ("-md", MODEL, SpecConfig(**spec, draft_model=str(draft)))):
+        engine = Engine.load(EngineConfig(model=str(model), ctx_size=512, spec=config))
+        answers[name] = [(r.output_ids, r.draft_n, r.draft_n_accepted)
+                         for r in run_all(engine, LLAMA["prompts"], params)]
+    assert answers["-md"] == answers["own"]
+    assert [tokens for tokens, _, _ in answers["-md"]] == [tokens for tokens, _, _ in answers["plain"]]
+    drafted, kept = sum(d for _, d, _ in answers["-md"]), sum(a for _, _, a in answers["-md"])
+    assert 0 < kept < drafted, "some drafts are kept, some rolled back"
