@@ -4,7 +4,8 @@ own MTP layer) served through HTTP: two chats at once and a streamed one give th
 tokens, by the exact-token rule, with its MTP layer drafting (a dense layer beside the QSA trunk;
 every rejected draft rolls back the recurrent, n-gram and indexer state): with the main command's
 defaults (4 slots sharing a pool, pacing), and split over two processes (-pp 2) with the draft on a
-rank of its own; and with the model itself as a draft model (every draft kept)."""
+rank of its own, read from an MTP-only GGUF (-md); and with the model itself as a draft model (every
+draft kept)."""
 from __future__ import annotations
 
 import pytest
@@ -14,6 +15,7 @@ from engine.engine import Engine
 from engine.sched.sampling import SamplingParams
 from engine.settings import EngineConfig
 from tests.engine.runs import run_all
+from tests.engine.test_qwen4_exp_gguf import MODEL, mtp_only_gguf
 from tests.engine.test_generation import chat_ids
 from tests.exact_tokens import assert_same_greedy, next_token_logits
 from tests.server.test_combinations import DRAFT_EVERY_STEP
@@ -23,8 +25,8 @@ from tests.server.test_qwen3_5_http import PROMPTS, TOKENS, ids_of, two_chats_an
 MTP = ["--spec-type", "draft-mtp", "--spec-draft-p-min", "0", "--spec-max-batch", "0"]
 CELLS = {
     "main defaults, its own MTP layer": MTP,
-    "-pp 2, the MTP layer on its own rank, 2 slots": ["--spec-type", "draft-mtp", *DRAFT_EVERY_STEP, "-pp", "2",
-                                                      "--spec-draft-rank", "-np", "2"],
+    "-pp 2, the MTP layer from its own GGUF on its own rank, 2 slots": [
+        "--spec-type", "draft-mtp", *DRAFT_EVERY_STEP, "-pp", "2", "--spec-draft-rank", "-np", "2"],
     "the model as its own draft model, 2 slots": ["--spec-type", "draft", *DRAFT_EVERY_STEP, "-np", "2"],
 }
 
@@ -44,9 +46,10 @@ def plain(model):
 
 
 @pytest.mark.parametrize("cell", CELLS)
-def test_greedy_answers_are_the_models_own(start_server, model, plain, cell):
+def test_greedy_answers_are_the_models_own(start_server, model, plain, cell, tmp_path):
     ids, expected, logits = plain
-    args = CELLS[cell] + (["-md", str(model)] if "draft model" in cell else [])
+    args = CELLS[cell] + (["-md", str(model)] if "draft model" in cell else
+                          ["-md", str(mtp_only_gguf(model, MODEL, tmp_path / "mtp.gguf"))] if "own GGUF" in cell else [])
     server = start_server(["-m", str(model), "-c", "1024", *args])
     try:
         with server.client() as c:
