@@ -211,7 +211,8 @@ def _has_gguf_magic(path: Path) -> bool:
         return f.read(4) == b"GGUF"
 
 
-def _safetensors_header(file: Path) -> dict:
+def _safetensors_header(file: Path) -> tuple[dict, int]:
+    """(tensor name -> dtype, shape, data_offsets; where the data begins in the file)."""
     # The format is 8 bytes of little-endian header length, then a JSON header; reading only that
     # keeps validation free of tensor I/O.
     with open(file, "rb") as f:
@@ -224,7 +225,7 @@ def _safetensors_header(file: Path) -> dict:
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise WeightsError(f"{file}: not a safetensors file (unreadable header)") from e
     header.pop("__metadata__", None)
-    return header
+    return header, 8 + n
 
 
 def _open_hf(path: Path) -> ModelFiles:
@@ -238,7 +239,7 @@ def _open_hf(path: Path) -> ModelFiles:
         raise ConfigError(f"model={str(path)!r}: not a model (no *.safetensors files)")
     shapes = {}
     for f in files:
-        for name, info in _safetensors_header(f).items():
+        for name, info in _safetensors_header(f)[0].items():
             name = _tandem_name(name, config.family)
             layout = HF_LAYOUTS.get(config.family)
             shapes[name] = layout.hf_shape(name, tuple(info["shape"])) if layout else tuple(info["shape"])
@@ -370,17 +371,15 @@ _SAFETENSORS_DTYPES = {"F32": (np.float32, None), "F16": (np.float16, None), "BF
 
 
 def _mapped_safetensor(file: Path, name: str) -> torch.Tensor:
-    """A safetensors tensor over a map of its bytes in the file, in its own type (the format: an
-    8-byte little-endian header length, a JSON header of dtype, shape and data_offsets, the data)."""
-    with open(file, "rb") as fh:
-        length = int.from_bytes(fh.read(8), "little")
-        entry = json.loads(fh.read(length))[name]
+    """A safetensors tensor over a map of its bytes in the file, in its own type."""
+    header, data = _safetensors_header(file)
+    entry = header[name]
     if entry["dtype"] not in _SAFETENSORS_DTYPES:
         raise WeightsError(f"tensor {name} in {file}: dtype {entry['dtype']}: an n-gram table must be F32, F16 or BF16")
     dtype, view = _SAFETENSORS_DTYPES[entry["dtype"]]
     start, end = entry["data_offsets"]
     count = (end - start) // np.dtype(dtype).itemsize
-    tensor = _read_only(np.memmap(file, dtype=dtype, mode="r", offset=8 + length + start, shape=(count,)))
+    tensor = _read_only(np.memmap(file, dtype=dtype, mode="r", offset=data + start, shape=(count,)))
     return (tensor.view(view) if view else tensor).reshape(entry["shape"])
 
 
