@@ -10,6 +10,7 @@ import functools
 import importlib.metadata
 import json
 import logging
+import math
 import struct
 import warnings
 from dataclasses import dataclass, field
@@ -402,20 +403,22 @@ def _load_gguf(tensors: list[GGUFTensor], config: ModelConfig, names: dict,
         if qwen4_exp_layout.is_ngram_table(hf) and int(t.tensor_type) in (*GGUF_PLAIN_TYPES, *GGUF_TYPES):
             out[hf] = _mapped_gguf(t, shape)
             continue
-        fmt = GGUF_TYPES.get(int(t.tensor_type)) if keep_blocks and len(shape) == 2 else None
+        # Matrices, and experts' matrices stacked [experts, rows, cols], keep their blocks (the
+        # experts' rows one after another's).
+        fmt = GGUF_TYPES.get(int(t.tensor_type)) if keep_blocks and len(shape) in (2, 3) else None
         if fmt is None:
             data = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False).reshape(shape)
-            if keep_blocks and len(shape) == 2 and int(t.tensor_type) not in GGUF_PLAIN_TYPES:
+            if keep_blocks and len(shape) in (2, 3) and int(t.tensor_type) not in GGUF_PLAIN_TYPES:
                 unserved.append(f"{t.name} ({t.tensor_type.name})")
         else:
-            data = t.data.reshape(shape[0], -1)  # a row of blocks per output channel: rows permute alike
+            data = t.data.reshape(math.prod(shape[:-1]), -1)  # a row of blocks per output channel: rows permute alike
         if config.family in ("llama", "mistral"):
             if hf.endswith("q_proj.weight") or hf.endswith("q_proj.bias"):
                 data = _unpermute_rope(data, config.num_heads)
             elif hf.endswith("k_proj.weight") or hf.endswith("k_proj.bias"):
                 data = _unpermute_rope(data, config.num_kv_heads)
         out[hf] = torch.from_numpy(np.array(data, dtype=np.float32)) if fmt is None else \
-            BlockTensor(fmt, torch.from_numpy(np.array(data, dtype=np.uint8)), shape[1])
+            BlockTensor(fmt, torch.from_numpy(np.array(data, dtype=np.uint8)), shape[-1])
     if unserved:
         log.info("%d quantized matrices have no block kernel for their type and load as f32: %s", len(unserved),
                  ", ".join(unserved))

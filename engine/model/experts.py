@@ -14,18 +14,25 @@ from torch import nn
 
 from engine.files.model_config import ModelConfig
 from engine.model.mlp import MLP
+from engine.ops.blocks import BlockTensor
 from engine.ops.quant import Linear
 
 
-def expert_tensors(t: dict, p: str, k: int, width: int) -> dict[str, torch.Tensor]:
+def expert_tensors(t: dict, p: str, k: int, count: int, width: int) -> dict[str, torch.Tensor | BlockTensor]:
     """Expert k's gate_proj, up_proj and down_proj weights, from one tensor each
     (`experts.k.gate_proj.weight`) or from merged [experts, ...] tensors (`experts.gate_up_proj`:
-    gate rows then up rows; or `experts.gate_proj`, `up_proj`, `down_proj`); views, not copies."""
+    gate rows then up rows; or `experts.gate_proj`, `up_proj`, `down_proj`, which a GGUF may hold in
+    blocks, its `count` experts' rows stacked); views, not copies."""
     if p + "experts.gate_up_proj" in t:
         gate_up, down = t[p + "experts.gate_up_proj"][k], t[p + "experts.down_proj"][k]
         return {"gate_proj.weight": gate_up[:width], "up_proj.weight": gate_up[width:], "down_proj.weight": down}
     if p + "experts.gate_proj" in t:
-        return {f"{n}_proj.weight": t[p + f"experts.{n}_proj"][k] for n in ("gate", "up", "down")}
+        def expert(w: torch.Tensor | BlockTensor) -> torch.Tensor | BlockTensor:
+            if isinstance(w, BlockTensor):
+                rows = w.shape[0] // count
+                return w.rows(slice(k * rows, (k + 1) * rows))
+            return w[k]
+        return {f"{n}_proj.weight": expert(t[p + f"experts.{n}_proj"]) for n in ("gate", "up", "down")}
     e = p + f"experts.{k}."
     return {n: t[e + n] for n in ("gate_proj.weight", "up_proj.weight", "down_proj.weight")}
 
@@ -36,7 +43,7 @@ class Experts(nn.Module):
         super().__init__()
         e = self.config = c.experts
         self.router = Linear(t[p + "gate.weight"], None, dtype)
-        self.experts = nn.ModuleList(MLP(c, expert_tensors(t, p, k, e.intermediate), "", dtype, e.intermediate)
+        self.experts = nn.ModuleList(MLP(c, expert_tensors(t, p, k, e.count, e.intermediate), "", dtype, e.intermediate)
                                      for k in range(e.count))
         self.shared_expert = MLP(c, t, p + "shared_expert.", dtype, e.shared_intermediate)
         self.shared_expert_gate = Linear(t[p + "shared_expert_gate.weight"], None, dtype)

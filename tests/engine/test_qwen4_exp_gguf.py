@@ -184,3 +184,13 @@ def test_an_mtp_only_gguf_given_with_md_drafts_as_the_checkpoints_own_mtp_layer(
     assert [tokens for tokens, _, _ in answers["-md"]] == [tokens for tokens, _, _ in answers["plain"]]
     drafted, kept = sum(d for _, d, _ in answers["-md"]), sum(a for _, _, a in answers["-md"])
     assert 0 < kept < drafted, "some drafts are kept, some rolled back"
+
+
+def test_a_q8_0_files_experts_are_served_in_its_blocks():
+    # llama-quantize stores the experts as three stacked [experts, rows, cols] Q8_0 tensors; `auto`
+    # serves each expert's rows as stored, as it does a matrix's (the greedy tokens: the test above).
+    from engine.ops.quant import Linear
+    engine = Engine.load(EngineConfig(model=str(FIXTURES / "tiny-qwen4_exp-q8_0.gguf"), dtype="auto", ctx_size=64))
+    experts = [m for layer in engine.model.layers for name, m in layer.mlp.experts.named_modules()
+               if isinstance(m, Linear)]
+    assert len(experts) == 2 * 8 * 4 and {m.dtype for m in experts} == {"q8_0"}
