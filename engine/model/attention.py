@@ -83,11 +83,12 @@ class Attention(nn.Module):
                 continue
             cache.write(layer, row.slot, row.start, k[sl].transpose(0, 1).to(cache_dtype),
                         v[sl].transpose(0, 1).to(cache_dtype))
-            keys, values = cache.read(layer, row.slot, row.start + t)
             if self.indexer is not None:
-                keys, values, mask = self._indexed(index_q[sl], index_k[sl], batch.rope[sl], row, keys, values,
-                                                   cache, layer)
-            elif self.spec.is_qsa:
+                keys, values, mask = self._indexed(index_q[sl], index_k[sl], batch.rope[sl], row, cache, layer)
+                out[sl] = self._attend(q[sl], keys.to(q.dtype), values.to(q.dtype), mask)
+                continue
+            keys, values = cache.read(layer, row.slot, row.start + t)
+            if self.spec.is_qsa:
                 pool = cache.read_pool(layer, row.slot, (row.start + t) // self.spec.ratio)
                 keys, values, mask = qsa.sparse_keys(q[sl], keys, values, pool, batch.rope[sl], self.spec, mask)
             out[sl] = self._attend(q[sl], keys.to(q.dtype), values.to(q.dtype), mask)
@@ -97,11 +98,11 @@ class Attention(nn.Module):
             out = out * torch.sigmoid(qkv[:, heads + 2 * self.kv_heads:])
         return self.o_proj(out.view(n, heads * self.head_dim))
 
-    def _indexed(self, q, raw, positions, row, keys, values, cache: KVCache, layer: int):
+    def _indexed(self, q, raw, positions, row, cache: KVCache, layer: int):
         """A row of an indexed layer: its raw indexer keys raw [T, index_dim] and the keys of the
         blocks it completes written; (keys, values, mask) its queries q [T, heads, index_dim] at
-        `positions` attend. A single query reads only its selected keys; several (a verify block, a prompt
-        chunk) the union of theirs, each query masked to its own."""
+        `positions` attend, read from the cache. A single query reads only its selected keys; several
+        (a verify block, a prompt chunk) the union of theirs, each query masked to its own."""
         x, start, end = self.indexer, row.start, row.start + len(row.tokens)
         cache.write_index_keys(layer, row.slot, start, raw)
         first, last = start // x.ratio, end // x.ratio
@@ -110,12 +111,11 @@ class Attention(nn.Module):
                                      x.pool(cache.read_index_keys(layer, row.slot, first * x.ratio, last * x.ratio), first))
         allowed = x.allowed(q, cache.read_index_blocks(layer, row.slot, last), positions, end)
         if bool(allowed.all()):
-            return keys, values, None
+            return *cache.read(layer, row.slot, end), None
         if len(positions) == 1:
-            index = allowed[0].nonzero()[:, 0]
-            return keys[:, index], values[:, index], None
-        index = allowed.any(0).nonzero()[:, 0]  # the union of the queries' selections, masked per query
-        return keys[:, index], values[:, index], allowed[:, index]
+            return *cache.read_at(layer, row.slot, allowed[0].nonzero()[:, 0]), None
+        index = allowed.any(0).nonzero()[:, 0]  # the union of the queries' selections
+        return *cache.read_at(layer, row.slot, index), allowed[:, index]
 
     def _probe(self, q, k, batch: ForwardBatch, cache: KVCache, layer: int) -> None:
         """Hand the probed rows' q and k, and the keys they attended, to their probes when this

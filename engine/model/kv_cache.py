@@ -1,6 +1,6 @@
 """The KV cache: preallocated, written in place, never reallocated.
 
-Two layouts behind one interface (`write`, `read`, `read_pool`, `ensure`, `truncate`), the one
+Two layouts behind one interface (`write`, `read`, `read_at`, `read_pool`, `ensure`, `truncate`), the one
 model.py uses:
 - `KVCache`: each slot owns ctx_per_slot positions (llama-server's default split of --ctx-size);
 - `PagedKVCache`: one pool of positions in pages that any slot may use (--kv-unified).
@@ -101,6 +101,14 @@ def _copy(store, dst, src) -> None:
     """store[dst] = store[src], as stored: q8_0 blocks are copied, never quantized again."""
     for t in (store.q, store.scale) if isinstance(store, Q8Storage) else (store,):
         t[dst] = t[src]
+
+
+def _slot_rows(store, slot: int, positions: torch.Tensor) -> torch.Tensor:
+    """A per-slot store's [kv_heads, len(positions), head_dim] at the slot's `positions`, reading
+    (and for q8_0 widening) only those."""
+    if isinstance(store, Q8Storage):
+        return store._dequantize(store.q[slot].index_select(1, positions), store.scale[slot].index_select(1, positions))
+    return store[slot].index_select(1, positions)
 
 
 def _storage(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor | Q8Storage:
@@ -298,6 +306,12 @@ class KVCache(_Stores):
         """[kv_heads, blocks, head_dim] f32: the slot's first pooled keys (a QSA layer's)."""
         return self.kpool[layer][slot, :, :blocks]
 
+    def read_at(self, layer: int, slot: int, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """[kv_heads, len(positions), head_dim]: the slot's keys and values at `positions` alone
+        (a sparse query's), copied from storage without reading the rest."""
+        positions = positions.to(self.devices[layer])
+        return _slot_rows(self.k[layer], slot, positions), _slot_rows(self.v[layer], slot, positions)
+
     def kernel_view(self, layer: int, dtype: torch.dtype) -> KernelView | None:
         """The layer's storage when K and V hold floats of `dtype` or both q8_0 for f32 rows (the
         kernels then read it in place); None when they do not."""
@@ -469,6 +483,10 @@ class PagedKVCache(_Stores):
             ends = (positions + 1) % self.specs[layer].ratio == 0  # rows that complete a block
             for slot, position in zip(slots[ends].tolist(), positions[ends].tolist()):
                 self._pool_blocks(layer, slot, position, position + 1)
+
+    def read_at(self, layer: int, slot: int, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = self._index[slot][positions].to(self.devices[layer])
+        return self.k[layer].index_select(1, rows), self.v[layer].index_select(1, rows)
 
     def read(self, layer: int, slot: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """[kv_heads, length, head_dim]: a view when the slot's pages are contiguous, else a gather."""

@@ -35,6 +35,20 @@ def test_q8_caches_read_back_what_was_written(cache_cls):
     assert torch.allclose(keys, k, atol=k.abs().max() / 100) and torch.allclose(values, 2 * k, atol=k.abs().max() / 50)
 
 
+@pytest.mark.parametrize("cache_cls", [KVCache, PagedKVCache])
+@pytest.mark.parametrize("kv_type", [torch.float32, torch.int8])
+def test_reading_some_positions_gives_those_of_a_whole_read(cache_cls, kv_type):
+    # A sparse query's keys (engine/model/attention.py, an indexed layer) are read alone.
+    cache = cache_cls(1, 2, 128, 2, 32, kv_type, kv_type)
+    for slot in (0, 1):
+        assert cache.ensure(slot, 40)
+    cache.write(0, 1, 0, torch.randn(2, 40, 32), torch.randn(2, 40, 32))
+    positions = torch.tensor([0, 5, 6, 7, 33, 39])
+    keys, values = cache.read(0, 1, 40)
+    some_keys, some_values = cache.read_at(0, 1, positions)
+    assert torch.equal(some_keys, keys[:, positions]) and torch.equal(some_values, values[:, positions])
+
+
 @pytest.fixture
 def one_thread():
     # Two engines stepping inline on a machine shared with colleagues: a second thread mostly waits.
