@@ -1,5 +1,5 @@
-"""Softmax attention over a layer's KV cache: dense, or QSA over pooled key blocks
-(engine/model/qsa.py), as the layer's LayerSpec says; with Qwen3.5's output gate where the model has
+"""Softmax attention over a layer's KV cache: dense, or QSA over key blocks (engine/model/qsa.py), as
+the layer's LayerSpec says; with Qwen3.5's output gate where the model has
 one (each head's query comes with a gate, and the head's output is scaled by sigmoid(gate)).
 
 Rows of one token of a dense layer attend in one kernel call; the others (prompt chunks, verify
@@ -74,8 +74,9 @@ class Attention(nn.Module):
         cache_dtype = cache.k[layer].dtype
         if self.indexer is not None:
             index_q, index_k = self.indexer.project(x, cos, sin)
+        selections = [None] * len(batch.rows)  # per row, the keys its queries attend (None: all before them)
         offset = 0
-        for row, mask in zip(batch.rows, batch.masks):
+        for i, (row, mask) in enumerate(zip(batch.rows, batch.masks)):
             t = len(row.tokens)
             sl = slice(offset, offset + t)
             offset += t
@@ -84,50 +85,59 @@ class Attention(nn.Module):
             cache.write(layer, row.slot, row.start, k[sl].transpose(0, 1).to(cache_dtype),
                         v[sl].transpose(0, 1).to(cache_dtype))
             if self.indexer is not None:
-                keys, values, mask = self._indexed(index_q[sl], index_k[sl], batch.rope[sl], row, cache, layer)
-                out[sl] = self._attend(q[sl], keys.to(q.dtype), values.to(q.dtype), mask)
-                continue
-            keys, values = cache.read(layer, row.slot, row.start + t)
-            if self.spec.is_qsa:
-                pool = cache.read_pool(layer, row.slot, (row.start + t) // self.spec.ratio)
-                keys, values, mask = qsa.sparse_keys(q[sl], keys, values, pool, batch.rope[sl], self.spec, mask)
+                self._write_index_keys(index_k[sl], row, cache, layer)
+            selected = self._selection(index_q[sl] if self.indexer is not None else q[sl], batch.rope[sl],
+                                       batch.positions[sl], mask, row, cache, layer) if self.spec.is_qsa else None
+            selections[i] = selected
+            if selected is None:
+                keys, values = cache.read(layer, row.slot, row.start + t)
+            elif t == 1:
+                (keys, values), mask = cache.read_at(layer, row.slot, selected[0].nonzero()[:, 0]), None
+            else:
+                index = selected.any(0).nonzero()[:, 0]  # the union of the queries' selections
+                (keys, values), mask = cache.read_at(layer, row.slot, index), selected[:, index]
             out[sl] = self._attend(q[sl], keys.to(q.dtype), values.to(q.dtype), mask)
         if batch.probes is not None:
-            self._probe(q, k, batch, cache, layer)
+            self._probe(q, k, batch, cache, layer, selections)
         if self.gated:
             out = out * torch.sigmoid(qkv[:, heads + 2 * self.kv_heads:])
         return self.o_proj(out.view(n, heads * self.head_dim))
 
-    def _indexed(self, q, raw, positions, row, cache: KVCache, layer: int):
-        """A row of an indexed layer: its raw indexer keys raw [T, index_dim] and the keys of the
-        blocks it completes written; (keys, values, mask) its queries q [T, heads, index_dim] at
-        `positions` attend, read from the cache. A single query reads only its selected keys; several
-        (a verify block, a prompt chunk) the union of theirs, each query masked to its own."""
+    def _write_index_keys(self, raw, row, cache: KVCache, layer: int) -> None:
+        """A row of an indexed layer: its raw indexer keys raw [T, index_dim], and the keys of the
+        blocks it completes."""
         x, start, end = self.indexer, row.start, row.start + len(row.tokens)
         cache.write_index_keys(layer, row.slot, start, raw)
         first, last = start // x.ratio, end // x.ratio
         if last > first:
             cache.write_index_blocks(layer, row.slot, first,
                                      x.pool(cache.read_index_keys(layer, row.slot, first * x.ratio, last * x.ratio), first))
-        allowed = x.allowed(q, cache.read_index_blocks(layer, row.slot, last), positions, end)
-        if bool(allowed.all()):
-            return *cache.read(layer, row.slot, end), None
-        if len(positions) == 1:
-            return *cache.read_at(layer, row.slot, allowed[0].nonzero()[:, 0]), None
-        index = allowed.any(0).nonzero()[:, 0]  # the union of the queries' selections
-        return *cache.read_at(layer, row.slot, index), allowed[:, index]
 
-    def _probe(self, q, k, batch: ForwardBatch, cache: KVCache, layer: int) -> None:
-        """Hand the probed rows' q and k, and the keys they attended, to their probes when this
-        layer is one of theirs."""
+    def _selection(self, q, positions, written, mask, row, cache: KVCache, layer: int) -> torch.Tensor | None:
+        """[T, end] bool: the keys a QSA row's queries q (the indexer's, where the layer has one)
+        standing at `positions` (their keys `written` there, a tree's siblings past the chain)
+        attend, engine/model/qsa.py's rule; None when none is past the budget (dense attention).
+        A lone query then reads only its selected keys, a row of several (a verify block, a prompt
+        chunk) the union of theirs, each query masked to its own: a verify block of a few tokens
+        reads about the budget's keys, not the context's."""
+        r, keep, end = self.spec.ratio, self.spec.keep, row.start + len(row.tokens)
+        if int(qsa.complete_blocks(positions, r).max()) <= keep:
+            return None
+        if self.indexer is not None:
+            return self.indexer.allowed(q, cache.read_index_blocks(layer, row.slot, end // r), positions, end)
+        scores = qsa.pooled_scores(q, cache.read_pool(layer, row.slot, end // r), positions, written, r,
+                                   lambda index: cache.read_at(layer, row.slot, index)[0])
+        return qsa.allowed(scores, positions, end, r, keep, mask)
+
+    def _probe(self, q, k, batch: ForwardBatch, cache: KVCache, layer: int, selections: list) -> None:
+        """Hand the probed rows' q and k, the keys they could attend and those they did (None: all
+        before them), to their probes when this layer is one of theirs."""
         offset = 0
-        for row, probe in zip(batch.rows, batch.probes):
+        for row, probe, selected in zip(batch.rows, batch.probes, selections):
             t = len(row.tokens)
             if probe is not None and layer in probe.layers:
-                end = row.start + t
-                keys = cache.read(layer, row.slot, end)[0].to(q.dtype)
-                kpool = cache.read_pool(layer, row.slot, end // self.spec.ratio) if self.spec.is_qsa else None
-                probe.take(layer, row.start, q[offset:offset + t], k[offset:offset + t], keys, self.spec, kpool)
+                keys = cache.read(layer, row.slot, row.start + t)[0].to(q.dtype)
+                probe.take(layer, row.start, q[offset:offset + t], k[offset:offset + t], keys, selected)
             offset += t
 
     def _attend(self, q, keys, values, mask) -> torch.Tensor:

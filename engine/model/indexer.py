@@ -8,11 +8,7 @@ keys, RMS-normed (k_layernorm) and turned by RoPE at the block's first position;
 once, when the block's last position is written, and keeps it in the cache (the reference pools
 again on every forward).
 
-A query at p sees n = (p+1) // r complete blocks and a tail, positions n*r .. p (empty at a block's
-end: the query's own token then competes with the others in its block). Block b scores
-sum over heads h of relu(q_h . kblock_b) / sqrt(head_dim); the query attends the positions of its
-top min(budget/r, n) blocks (torch.topk over its n scores) and its tail, with an ordinary softmax.
-While n <= budget/r that is every position: dense attention.
+Selection then follows QSA's one rule (engine/model/qsa.py) over these block keys.
 """
 from __future__ import annotations
 
@@ -20,6 +16,7 @@ import torch
 from torch import nn
 
 from engine.files.model_config import ModelConfig
+from engine.model import qsa
 from engine.model.norm import RMSNorm
 from engine.model.rope import apply_rope
 from engine.ops import blocks
@@ -60,22 +57,5 @@ class Indexer(nn.Module):
     def allowed(self, q: torch.Tensor, blocks: torch.Tensor, positions: torch.Tensor, length: int) -> torch.Tensor:
         """[T, length] bool: the keys queries q [T, heads, head_dim] standing at `positions` attend,
         given the slot's block keys blocks [>= the last query's complete blocks, head_dim]."""
-        keys = torch.arange(length)
-        seen = keys <= positions[:, None]
-        complete = (positions + 1) // self.ratio  # [T]
-        if int(complete.max()) <= self.keep:
-            return seen
-        n = int(complete.max())
-        scores = torch.einsum("thd,nd->thn", q.float(), blocks[:n].float()).relu().sum(1) / self.head_dim ** 0.5
-        chosen = torch.zeros(len(positions), n + 1, dtype=torch.bool)
-        # Queries seeing as many blocks share one topk over exactly their n scores: the reference's.
-        for count in complete.unique().tolist():
-            rows = (complete == count).nonzero()[:, 0]
-            if count <= self.keep:
-                chosen[rows, :count] = True
-            else:
-                top = scores[rows, :count].topk(self.keep, dim=-1).indices
-                chosen[rows[:, None], top] = True
-        block = (keys // self.ratio).clamp(max=n)
-        tail = keys >= (complete * self.ratio)[:, None]
-        return (chosen[:, block] | tail) & seen
+        n = int(qsa.complete_blocks(positions, self.ratio).max())
+        return qsa.allowed(qsa.scores(q, blocks[None, :n]), positions, length, self.ratio, self.keep)

@@ -33,7 +33,7 @@ class LayerSpec:
 
     @property
     def keep(self) -> int:
-        """Complete blocks a query attends beyond its tail block."""
+        """Complete blocks a query keeps past the budget, beside its tail."""
         return self.budget // self.ratio
 
     def describe(self) -> str:

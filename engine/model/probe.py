@@ -16,8 +16,6 @@ import torch
 import torch.nn.functional as F
 
 from engine.errors import check_rules
-from engine.model import qsa
-from engine.model.layer_spec import LayerSpec
 
 KINDS = ("head_mean", "qk")
 REDUCES = ("mean", "none")
@@ -149,10 +147,10 @@ class ProbeCapture:
         return start <= self.positions[-1] and self.positions[0] < start + length
 
     def take(self, layer: int, start: int, q: torch.Tensor, k: torch.Tensor, keys: torch.Tensor,
-             spec: LayerSpec, kpool: torch.Tensor | None) -> None:
+             selected: torch.Tensor | None) -> None:
         """One row of layer `layer`: q [T, heads, d] and k [T, kv_heads, d] post-RoPE at positions
         start .. start+T-1, keys [kv_heads, start+T, d] the slot's keys as attention reads them,
-        kpool the slot's pooled keys (QSA layers)."""
+        selected [T, start+T] the keys a QSA layer's queries attended (None: all before them)."""
         first = self.positions[0]
         lo, hi = max(start, first), min(start + len(q), self.positions[-1] + 1)
         qs = q[lo - start:max(lo, hi) - start].float()  # the row's query positions lo .. hi-1
@@ -164,9 +162,9 @@ class ProbeCapture:
             kept["k"][start:start + n] = k[:n].float()
             return
         positions = torch.arange(lo, hi, device=keys.device)  # a stage's device, as its keys
-        allowed = qsa.allowed_keys(positions, keys.shape[1], None, spec)
-        if spec.is_qsa:
-            attended = qsa.attended(qs, kpool, positions, keys.shape[1], spec)
+        allowed = torch.arange(keys.shape[1], device=keys.device) <= positions[:, None]
+        if selected is not None:
+            attended = selected[lo - start:lo - start + len(qs)]
             if bool((attended != allowed).any()):
                 self.sparse.add(layer)
             allowed = attended

@@ -1,20 +1,21 @@
-"""QSA: query-aware sparse attention over pooled key blocks (docs/architecture.md, "The hybrid cache and QSA").
+"""QSA: query-aware sparse attention over block keys (docs/architecture.md, "The hybrid cache and QSA").
 
-A QSA layer with compress ratio r and budget B groups positions into blocks of r (block b holds
-positions b*r .. b*r+r-1). A query at position p sees the complete blocks before its own,
-0 .. p//r - 1, and its own tail block, positions r*(p//r) .. p. While those complete blocks number at
-most B/r it attends to every visible position: exactly dense attention. Beyond that, block b scores
-s_b = sum over query heads h of relu(q_h . kpool[b, kv(h)]) / sqrt(head_dim), where kpool[b] is the
-mean of the block's post-RoPE keys; the B/r best blocks are kept (ties to the lower index), and the
-query attends the kept blocks' keys plus its tail block with an ordinary softmax.
+One rule for every QSA layer, whatever gives its block keys (a model's own indexer,
+engine/model/indexer.py, or the mean of the block's post-RoPE attention keys on a model without
+one). A layer with compress ratio r and budget B groups positions into blocks of r. A query at p sees
+n = (p+1) // r complete blocks and a tail, positions n*r .. p, empty at a block's end: the query's
+own token then competes in its block. Block b scores sum over query heads h of
+relu(q_h . kblock[b, kv(h)]) / sqrt(head_dim); the query attends the positions of its top
+min(B/r, n) blocks (torch.topk over exactly its n scores) and its tail, with an ordinary softmax.
+While n <= B/r that is every position: exactly dense attention.
 
 Every layer carries its own `LayerSpec`; nothing looks a ratio up by layer index.
 """
 from __future__ import annotations
 
-import torch
+import math
 
-from engine.model.layer_spec import LayerSpec
+import torch
 
 
 def block_means(keys: torch.Tensor, ratio: int) -> torch.Tensor:
@@ -23,71 +24,62 @@ def block_means(keys: torch.Tensor, ratio: int) -> torch.Tensor:
     return keys.float().view(kv_heads, length // ratio, ratio, d).mean(2)
 
 
-def select_blocks(q: torch.Tensor, kpool: torch.Tensor, positions: torch.Tensor, spec: LayerSpec) -> torch.Tensor:
-    """The blocks each query keeps, [T, keep], for queries q [T, heads, d] at `positions` [T] that
-    all see more complete blocks than `spec.keep`; kpool [kv_heads, n, d] covers at least the
-    blocks the last of them sees."""
+def complete_blocks(positions: torch.Tensor, ratio: int) -> torch.Tensor:
+    """[T] the complete blocks a query at each position sees."""
+    return (positions + 1) // ratio
+
+
+def scores(q: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """[T, n] each query's block scores: q [T, heads, d], block keys blocks [kv_heads, n, d] (one
+    kv head: an indexer's, shared by all its query heads)."""
     t, heads, d = q.shape
-    kv_heads = kpool.shape[0]
-    visible = positions // spec.ratio  # [T] complete blocks each query sees
-    n = int(visible.max())
+    kv_heads = blocks.shape[0]
     qg = q.float().view(t, kv_heads, heads // kv_heads, d)
-    scores = torch.einsum("tkgd,kbd->tkgb", qg, kpool[:, :n]).relu().sum((1, 2)) * d ** -0.5  # [T, n]
-    scores = scores.masked_fill(torch.arange(n, device=q.device) >= visible[:, None], -torch.inf)
-    # A stable sort keeps equal scores in index order: ties go to the lower block.
-    return scores.sort(dim=-1, descending=True, stable=True).indices[:, :spec.keep]
+    return torch.einsum("tkgd,kbd->tkgb", qg, blocks.float()).relu().sum((1, 2)) / math.sqrt(d)
 
 
-def allowed_keys(positions: torch.Tensor, length: int, kept: torch.Tensor | None, spec: LayerSpec,
-                 base: torch.Tensor | None = None) -> torch.Tensor:
-    """[T, length] bool: which key positions each query attends. kept: [T, keep] selected blocks
-    of the queries past the budget (rows of queries within it are ignored), or None for none.
+def allowed(block_scores: torch.Tensor, positions: torch.Tensor, length: int, ratio: int, keep: int,
+            base: torch.Tensor | None = None) -> torch.Tensor:
+    """[T, length] bool: the keys queries standing at `positions` attend, given their scores
+    [T, >= the last one's complete blocks] (columns past a query's own complete blocks unread).
     base: [T, length] the keys each query could see in a dense layer, when not the causal ones (a
-    tree row's mask, engine/model/batch.py: a node stands at `positions` but its own key lies at
-    its scratch position past the chain)."""
+    tree row's mask, engine/model/batch.py: a sibling stands at its position but its own key lies at
+    its scratch position past the chain; that key counts in the sibling's own block)."""
     device = positions.device  # a stage's (engine/placement.py): every index made here lives there
     keys = torch.arange(length, device=device)
     seen = keys <= positions[:, None] if base is None else base
-    if kept is None:
+    complete = complete_blocks(positions, ratio)
+    n = int(complete.max())
+    if n <= keep:
         return seen
-    block = keys // spec.ratio  # [length]
-    visible = positions // spec.ratio  # [T]
-    chosen = torch.zeros(len(positions), int(visible.max()) + 1, dtype=torch.bool, device=device)
-    chosen.scatter_(1, kept, True)
-    chosen[torch.arange(len(positions), device=device), visible] = True  # the tail block
-    # A query's own key stays wherever it was written: at its position (in its tail block), or
-    # past the chain for a tree's sibling.
-    own = keys >= positions[:, None]
-    sparse = (chosen[:, block.clamp(max=chosen.shape[1] - 1)] | own) & seen
-    return torch.where((visible > spec.keep)[:, None], sparse, seen)
+    rows = torch.arange(len(positions), device=device)
+    chosen = torch.zeros(len(positions), n + 1, dtype=torch.bool, device=device)
+    # Queries seeing as many blocks share one topk over exactly their n scores: the reference's
+    # order among ties (relu makes exact zeros).
+    for count in complete.unique().tolist():
+        same = (complete == count).nonzero()[:, 0]
+        if count <= keep:
+            chosen[same, :count] = True
+        else:
+            chosen[same[:, None], block_scores[same, :count].topk(keep, dim=-1).indices] = True
+    chosen[rows, complete] = True  # the tail
+    own = chosen[rows, positions // ratio]  # [T] whether a query's own block is attended
+    return torch.where(keys > positions[:, None], own[:, None], chosen[:, (keys // ratio).clamp(max=n)]) & seen
 
 
-def attended(q: torch.Tensor, kpool: torch.Tensor, positions: torch.Tensor, length: int,
-             spec: LayerSpec, base: torch.Tensor | None = None) -> torch.Tensor:
-    """[T, length] bool: the keys queries q [T, heads, d] standing at `positions` attend in a QSA
-    layer, given pooled keys kpool [kv_heads, >= length//r, d]; base as allowed_keys takes it."""
-    past = positions // spec.ratio > spec.keep
-    if not bool(past.any()):
-        return allowed_keys(positions, length, None, spec, base)
-    kept = torch.zeros(len(positions), spec.keep, dtype=torch.long, device=q.device)
-    kept[past] = select_blocks(q[past], kpool, positions[past], spec)
-    return allowed_keys(positions, length, kept, spec, base)
-
-
-def sparse_keys(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, kpool: torch.Tensor,
-                positions: torch.Tensor, spec: LayerSpec, mask: torch.Tensor | None = None):
-    """What queries q [T, heads, d] standing at `positions` attend in a QSA layer, given a slot's
-    keys and values [kv_heads, L, d] (L: past the last key written) and pooled keys kpool
-    [kv_heads, >= L//r, d]: (keys, values, mask [T, L'] bool or None), ready for the layer's
-    ordinary attention. mask: the row's dense mask [T, L] (causal or a tree's; None for one query,
-    which sees 0 .. its position). Within the budget these are exactly the dense path's inputs."""
-    if len(positions) > 1:
-        return keys, values, attended(q, kpool, positions, keys.shape[1], spec, mask)
-    p = int(positions[0])
-    if p // spec.ratio <= spec.keep:
-        return keys, values, None
-    # One query: gather its kept blocks and tail, so the cost follows the budget, not L.
-    blocks = select_blocks(q, kpool, positions, spec)[0].sort().values
-    index = torch.cat([(blocks[:, None] * spec.ratio + torch.arange(spec.ratio, device=q.device)).flatten(),
-                       torch.arange(p // spec.ratio * spec.ratio, p + 1, device=q.device)])
-    return keys[:, index], values[:, index], None
+def pooled_scores(q: torch.Tensor, kpool: torch.Tensor, positions: torch.Tensor, written: torch.Tensor,
+                  ratio: int, read_keys) -> torch.Tensor:
+    """[T, n] scores of queries q [T, heads, d] at `positions` over pooled attention keys kpool
+    [kv_heads, >= n, d], n the last query's complete blocks. A tree's sibling whose position ends a
+    block (its key `written` past the chain, not at its position) pools that block with its own key
+    in place of the chain's, as the chain would had it drawn the sibling: read_keys(index [m]) gives
+    the slot's keys there, [kv_heads, m, d]."""
+    complete = complete_blocks(positions, ratio)
+    block_scores = scores(q, kpool[:, :int(complete.max())])
+    sibling = ((written != positions) & ((positions + 1) % ratio == 0)).nonzero()[:, 0]
+    if len(sibling):
+        first = positions[sibling] - ratio + 1
+        index = torch.cat([first[:, None] + torch.arange(ratio - 1, device=q.device), written[sibling, None]], 1)
+        own = read_keys(index.flatten()).float().unflatten(1, index.shape).mean(2)  # [kv_heads, m, d]
+        block_scores[sibling, complete[sibling] - 1] = scores(q[sibling], own).diagonal()
+    return block_scores

@@ -113,6 +113,23 @@ def test_head_mean_equals_transformers_eager_attentions(tiny, name):
                              TOLERANCE, f"{name} layer {layer} query {query} reduce {reduce}")
 
 
+def test_an_indexed_layers_head_mean_equals_transformers_eager_attention_under_its_selection(tiny):
+    """Qwen4-Exp's attention layers 1 and 3 select through the model's indexer (a budget of 2 blocks
+    of 4): past it each query's weights fall on its kept blocks and tail only, as transformers'
+    eager attention masks them."""
+    from transformers import AutoModelForCausalLM
+    path, engine = tiny("qwen4_exp")
+    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, attn_implementation="eager").eval()
+    with torch.no_grad():
+        attentions = [a[0] for a in hf(torch.tensor([PROMPT]), output_attentions=True).attentions]  # layers 1, 3
+    for reduce in ("mean", "none"):
+        spec = ProbeSpec((1, 3), query="all", group=4, reduce=reduce)
+        for attention, result in zip(attentions, probe_one(engine, spec).probe_result):
+            assert result.sparse
+            assert_close(result.tensors["values"], reduced(attention, spec, engine.model.config.num_kv_heads, QUERIES["all"]),
+                         TOLERANCE, f"qwen4_exp layer {result.layer} reduce {reduce}")
+
+
 @pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3"])
 def test_qk_equals_transformers_post_rope_q_and_k(tiny, name):
     path, engine = tiny(name)
@@ -222,9 +239,10 @@ def test_a_qsa_layer_reports_the_kept_blocks_it_attended(tmp_path):
     dense, sparse = req.probe_result
     assert not dense.sparse and sparse.sparse
     for p in range(len(PROMPT)):
-        # Past the budget (two blocks of 4 before its own), a query of the QSA layer attends two
-        # kept blocks plus its own block up to itself; within it, every key up to itself.
-        kept = 8 + p % 4 + 1 if p // 4 > 2 else p + 1
+        # Past the budget (more than two complete blocks of 4 up to itself), a query of the QSA
+        # layer attends two kept blocks plus its tail, the rest of its own block (empty at a
+        # block's end); within it, every key up to itself.
+        kept = 8 + (p + 1) % 4 if (p + 1) // 4 > 2 else p + 1
         assert int((sparse.tensors["values"][p] > 0).sum()) == kept, f"query {p}"
         assert int((dense.tensors["values"][p] > 0).sum()) == p + 1
         assert abs(float(sparse.tensors["values"][p].sum()) - 1) < 1e-5

@@ -1,6 +1,8 @@
-"""QSA layers (docs/architecture.md, "QSA"): exactly dense attention while a query's complete blocks
-fit the budget; beyond it, what a slow reference written from the definition gives; pooled keys
-that follow every rewrite; each layer's spec its own, so a dense layer owns no pool."""
+"""QSA layers (docs/architecture.md, "The hybrid cache and QSA") on a model without an indexer:
+exactly dense attention while a query's complete blocks fit the budget; beyond it, what a slow
+reference written from the definition gives (at a block's end the query's own token competes in
+its block); pooled keys that follow every rewrite; each layer's spec its own, so a dense layer owns
+no pool."""
 from __future__ import annotations
 
 import math
@@ -78,14 +80,14 @@ def reference_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
     group = heads // keys.shape[0]
     r, out = spec.ratio, torch.zeros_like(q)
     for i, p in enumerate(positions):
-        complete = p // r
+        complete = (p + 1) // r
         pool = [keys[:, b * r:(b + 1) * r].mean(1) for b in range(complete)]
         if complete <= spec.keep:
             seen = list(range(p + 1))
         else:
             scores = [sum(max(0.0, float(q[i, h] @ pool[b][h // group])) for h in range(heads)) / math.sqrt(d)
                       for b in range(complete)]
-            kept = sorted(range(complete), key=lambda b: (-scores[b], b))[:spec.keep]
+            kept = torch.tensor(scores).topk(spec.keep).indices.tolist()
             seen = [pos for b in sorted(kept) for pos in range(b * r, (b + 1) * r)] + list(range(complete * r, p + 1))
         for h in range(heads):
             k, v = keys[h // group, seen], values[h // group, seen]

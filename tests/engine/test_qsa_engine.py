@@ -109,14 +109,14 @@ def test_pool_inputs_are_built_for_qsa_layers_only_beside_a_dense_draft(target, 
     eng = Engine.load(EngineConfig(model=str(path), ctx_size=256, parallel=2, compress_ratios=EVERY4, qsa_budget=8,
                                    spec=spec))
     seen = []
-    real = engine.model.qsa.sparse_keys
+    real = engine.model.qsa.allowed
 
-    def sparse_keys(q, keys, values, kpool, positions, layer_spec, mask=None):
-        seen.append(layer_spec)
-        return real(q, keys, values, kpool, positions, layer_spec, mask)
-    monkeypatch.setattr(engine.model.qsa, "sparse_keys", sparse_keys)
+    def allowed(scores, positions, length, ratio, keep, base=None):
+        seen.append(ratio)
+        return real(scores, positions, length, ratio, keep, base)
+    monkeypatch.setattr(engine.model.qsa, "allowed", allowed)
     run_all(eng, PROMPTS, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
-    assert seen and all(s.is_qsa for s in seen)
+    assert seen and set(seen) == {4}
     assert [i for i, pool in enumerate(eng.cache.kpool) if pool is not None] == [3, 7]
     assert eng.drafter.cache.kpool == [None]
     assert eng.drafter.model.layers[0].block.self_attn.spec.kind == "dense"

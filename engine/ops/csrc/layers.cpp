@@ -16,7 +16,7 @@
 // rope_positions[n] attends to 0 .. rope_positions[n]-1 (the chain before it) and then itself; in a
 // QSA layer its budget, its visible blocks and its tail block are those of rope_positions[n].
 //
-// A QSA layer (engine/qsa.py) also keeps its pooled keys: once every row has written, each block a
+// A QSA layer (engine/model/qsa.py) also keeps its pooled keys: once every row has written, each block a
 // row completed gets the mean of its keys. A row whose complete blocks fit the budget attends like
 // a dense row (one decode_attention call for all of them, so QSA within the budget is exactly
 // dense); a row past it scores the blocks it sees, keeps the best, and attends those and its tail
@@ -98,7 +98,7 @@ void write_cache(const at::Tensor& x, Store& cache, const int64_t* slots, const 
 
 // Pooled keys [S, KVH, C / ratio, D] f32 of a QSA layer (a pool's: [1, KVH, P / ratio, D]): block
 // p / ratio of slot slots[n] for each row n whose position p ends its block, from the keys now in
-// the cache (as engine/qsa.py block_means computes them). A block lies in one page.
+// the cache (as engine/model/qsa.py block_means computes them). A block lies in one page.
 void pool_blocks(const Store& kc, const at::Tensor& kpool, const int64_t* slots, const int64_t* positions,
                  int64_t N, int64_t ratio, const Layout& at) {
   for (int64_t n = 0; n < N; ++n) {
@@ -153,31 +153,40 @@ at::Tensor slot_rows(const at::Tensor& pages, int64_t s, int64_t length, int64_t
   return runs.flatten().narrow(0, 0, length);
 }
 
-// One query q [H, D] standing at position p past the budget, written at position w (p but for a
-// tree's sibling, whose key lies past its chain), against its slot's keys and values (cache entry
-// c: [KVH, C, D]) and pooled keys [KVH, C / ratio, D]: the `keep` best complete blocks by
-// engine/qsa.py select_blocks' score (a stable sort: ties to the lower block), its tail block up to
-// p - 1, and its own key at w -> [H, D]. rows: where the slot's positions 0 .. w lie in a pool's
+// One QSA query q [H, D] standing at position p past the budget, its key written at position w (p
+// but for a tree's sibling, whose key lies past its chain), against its slot's keys and values
+// (cache entry c: [KVH, C, D]) and pooled keys [KVH, C / ratio, D], by engine/model/qsa.py's rule:
+// the `keep` best of its (p+1) / ratio complete blocks (torch.topk over their scores) and its tail
+// up to p, its own key read at w -> [H, D]. A sibling whose position ends a block pools that block
+// with its own key in place of the chain's. rows: where the slot's positions 0 .. w lie in a pool's
 // keys (undefined: at their own indices).
 at::Tensor attend_selected(const at::Tensor& q, const Store& keys, const Store& values, int64_t c,
                            const at::Tensor& pool, int64_t p, int64_t w, int64_t ratio, int64_t keep,
                            const at::Tensor& rows) {
-  const int64_t H = q.size(0), D = q.size(1), KVH = keys.data.size(1), visible = p / ratio;
-  const at::Tensor qg = q.to(at::kFloat).view({KVH, H / KVH, D});
-  const at::Tensor blocks = rows.defined()
-                                ? pool.index_select(1, rows.narrow(0, 0, visible * ratio).slice(0, 0, c10::nullopt, ratio)
-                                                           .div(ratio, "floor"))
-                                : pool.narrow(1, 0, visible);
-  const at::Tensor scores =
-      at::matmul(qg, blocks.transpose(1, 2)).relu().sum({0, 1}) * std::pow(static_cast<double>(D), -0.5);
-  const at::Tensor best = std::get<1>(scores.sort(/*stable=*/true, /*dim=*/0, /*descending=*/true)).narrow(0, 0, keep);
-  const at::Tensor kept = std::get<0>(best.sort());
+  const int64_t H = q.size(0), D = q.size(1), KVH = keys.data.size(1), complete = (p + 1) / ratio;
   const at::TensorOptions index = at::TensorOptions().dtype(at::kLong);
-  const at::Tensor logical = at::cat({(kept.unsqueeze(1) * ratio + at::arange(ratio, index)).flatten(),
-                                      at::arange(visible * ratio, p, index), at::full({1}, w, index)});
-  const at::Tensor seen = rows.defined() ? rows.index_select(0, logical) : logical;
-  const auto pick = [&](const at::Tensor& t) { return t[c].index_select(1, seen); };
-  const at::Tensor k = keys.floats(pick), v = values.floats(pick);
+  const auto at_rows = [&](const at::Tensor& logical) { return rows.defined() ? rows.index_select(0, logical) : logical; };
+  const auto pick = [&](const at::Tensor& where) {
+    return [&, where](const at::Tensor& t) { return t[c].index_select(1, where); };
+  };
+  const at::Tensor qg = q.to(at::kFloat).view({KVH, H / KVH, D});
+  at::Tensor blocks = rows.defined()
+                          ? pool.index_select(1, rows.narrow(0, 0, complete * ratio).slice(0, 0, c10::nullopt, ratio)
+                                                     .div(ratio, "floor"))
+                          : pool.narrow(1, 0, complete);
+  if (w != p && (p + 1) % ratio == 0) {
+    const at::Tensor own = at_rows(at::cat({at::arange(p + 1 - ratio, p, index), at::full({1}, w, index)}));
+    blocks = blocks.clone();  // the pool's own entry holds the chain's key
+    blocks.select(1, complete - 1).copy_(keys.floats(pick(own)).mean(1));
+  }
+  const at::Tensor scores =
+      at::matmul(qg, blocks.transpose(1, 2)).relu().sum({0, 1}) / std::sqrt(static_cast<double>(D));
+  const at::Tensor kept = std::get<0>(std::get<1>(scores.topk(keep)).sort());
+  at::Tensor logical = at::cat({(kept.unsqueeze(1) * ratio + at::arange(ratio, index)).flatten(),
+                                at::arange(complete * ratio, p + 1, index)});
+  logical.masked_fill_(logical == p, w);
+  const at::Tensor seen = at_rows(logical);
+  const at::Tensor k = keys.floats(pick(seen)), v = values.floats(pick(seen));
   const at::Tensor weights = at::softmax(at::matmul(qg, k.transpose(1, 2)) / std::sqrt(static_cast<double>(D)), -1);
   return at::matmul(weights, v).view({H, D}).to(q.scalar_type());
 }
@@ -200,7 +209,7 @@ at::Tensor attend_rows(const at::Tensor& q, const Store& kc, const Store& vc, co
   const int64_t* pp = positions.data_ptr<int64_t>();
   const int64_t* lp = lengths.data_ptr<int64_t>();
   std::vector<int64_t> within, past;
-  for (int64_t n = 0; n < q.size(0); ++n) (ratio && (lp[n] - 1) / ratio > keep ? past : within).push_back(n);
+  for (int64_t n = 0; n < q.size(0); ++n) (ratio && lp[n] / ratio > keep ? past : within).push_back(n);
   if (past.empty()) return attend(q, slots, lengths, last);
   at::Tensor out = at::empty(q.sizes(), q.options());
   if (!within.empty()) {
