@@ -44,7 +44,7 @@ def reference_logits(hf_default_model):
     return logits
 
 
-@pytest.mark.parametrize("prompt", PROMPTS)
+@pytest.mark.parametrize("prompt", [PROMPTS[0], PROMPTS[2]])  # the shortest and longest; all three run together below
 def test_greedy_equals_transformers_generate(default_engine, hf_default_model, reference_logits, prompt):
     ids = chat_ids(default_engine, prompt)
     got = run_alone(default_engine, ids, SamplingParams(temperature=0, max_tokens=64))

@@ -20,7 +20,7 @@ from tests.engine.runs import run_all
 from tests.exact_tokens import next_token_logits
 
 PROMPT = [(11 * i + 5) % 250 + 3 for i in range(12)]
-DRAWS = 1200
+DRAWS = 800
 DRAFT = SpecConfig(type="draft-mtp", n_max=3, p_min=0.0, pacing=False)
 
 
