@@ -57,5 +57,4 @@ class Indexer(nn.Module):
     def allowed(self, q: torch.Tensor, blocks: torch.Tensor, positions: torch.Tensor, length: int) -> torch.Tensor:
         """[T, length] bool: the keys queries q [T, heads, head_dim] standing at `positions` attend,
         given the slot's block keys blocks [>= the last query's complete blocks, head_dim]."""
-        n = int(qsa.complete_blocks(positions, self.ratio).max())
-        return qsa.allowed(qsa.scores(q, blocks[None, :n]), positions, length, self.ratio, self.keep)
+        return qsa.allowed(qsa.scores(q, blocks[None]), positions, length, self.ratio, self.keep)

@@ -70,12 +70,12 @@ def allowed(block_scores: torch.Tensor, positions: torch.Tensor, length: int, ra
 def pooled_scores(q: torch.Tensor, kpool: torch.Tensor, positions: torch.Tensor, written: torch.Tensor,
                   ratio: int, read_keys) -> torch.Tensor:
     """[T, n] scores of queries q [T, heads, d] at `positions` over pooled attention keys kpool
-    [kv_heads, >= n, d], n the last query's complete blocks. A tree's sibling whose position ends a
+    [kv_heads, n, d], n at least the last query's complete blocks. A tree's sibling whose position ends a
     block (its key `written` past the chain, not at its position) pools that block with its own key
     in place of the chain's, as the chain would had it drawn the sibling: read_keys(index [m]) gives
     the slot's keys there, [kv_heads, m, d]."""
     complete = complete_blocks(positions, ratio)
-    block_scores = scores(q, kpool[:, :int(complete.max())])
+    block_scores = scores(q, kpool)
     sibling = ((written != positions) & ((positions + 1) % ratio == 0)).nonzero()[:, 0]
     if len(sibling):
         first = positions[sibling] - ratio + 1
