@@ -1,12 +1,35 @@
-"""Fixtures shared by the whole suite. The default model loads once per test session."""
+"""Fixtures shared by the whole suite. The default model loads once per test session (once per
+pytest-xdist worker: the suite runs on two, pyproject.toml)."""
 from __future__ import annotations
 
+import fcntl
+import os
 from pathlib import Path
 
 import pytest
 import torch
 
-torch.set_num_threads(2)
+# The suite runs on pytest-xdist workers (pyproject.toml): the in-process engines of each worker
+# share the machine's cores rather than each spinning a thread per core against the other.
+torch.set_num_threads(max(1, (os.cpu_count() or 2) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
+
+
+@pytest.fixture(autouse=True)
+def host_share(request, tmp_path_factory):
+    """Tests marked `alone` watch the host's cores (a server giving a thread to a busy neighbour and
+    taking it back): they run with no other worker's test beside them. Every other test holds a
+    shared lock while it runs, an `alone` test the exclusive one; a turnstile taken before either
+    lets a waiting `alone` test in ahead of the other worker's next tests."""
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        yield
+        return
+    root = tmp_path_factory.getbasetemp().parent  # the run's folder, above each worker's own
+    alone = request.node.get_closest_marker("alone") is not None
+    with open(root / "turnstile.lock", "a") as turnstile, open(root / "host.lock", "a") as host:
+        fcntl.flock(turnstile, fcntl.LOCK_EX)
+        fcntl.flock(host, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        fcntl.flock(turnstile, fcntl.LOCK_UN)
+        yield
 
 
 @pytest.fixture(scope="session")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 
+import pytest
 import yaml
 
 from bench.processes import ROOT
@@ -27,6 +28,7 @@ QUESTION = "\n\nWhich entry logged the most ships?"
 QWEN4_PROMPTS = ["Tell me about the tide that comes in twice a day.", "Describe a lantern in the harbour master's window."]
 
 
+@pytest.mark.alone  # the draft's pacing weighs its measured cost: a busy neighbour can stop it drafting
 def test_the_seed_profile_loads_by_job_and_streams_a_chat_past_its_qsa_budget(make_proxy):
     profile = yaml.safe_load((ROOT / "configs" / "profiles" / "smollm2.yaml").read_text())["smollm2-seed"]
     proxy = make_proxy({"smollm2-seed": profile}, groups={"smollm2": {"exclusive": True}})

@@ -221,6 +221,7 @@ def test_unload_during_a_long_stream_lets_it_finish_then_the_server_is_gone(prox
     assert not alive(replica["pid"]) and proxy.replicas("spare") == []
 
 
+@pytest.mark.alone  # a busy neighbour would take a thread from a share
 def test_replicas_run_on_cpus_of_their_own_each_with_a_thread_per_cpu(proxy):
     # The proxy's CPUs split among the replicas in the order they started (proxy/cores.py): with
     # tiny already running, the twins take the next shares; each server steps with a thread per CPU

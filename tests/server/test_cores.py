@@ -33,6 +33,7 @@ def threads_while_busy(server) -> set[int]:
     return seen
 
 
+@pytest.mark.alone
 def test_a_busy_neighbour_on_its_cores_takes_a_thread_and_gives_it_back(start_server, tiny_model):
     cpus = sorted(os.sched_getaffinity(0))
     if len(cpus) < 2:
