@@ -10,8 +10,9 @@ import pytest
 import torch
 
 # The suite runs on pytest-xdist workers (pyproject.toml): the in-process engines of each worker
-# share the machine's cores rather than each spinning a thread per core against the other.
-torch.set_num_threads(max(1, (os.cpu_count() or 2) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
+# share the CPUs this process may use (as the engine counts them, engine/threads.py) rather than
+# each spinning a thread per CPU against the other.
+torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
 
 
 @pytest.fixture(autouse=True)
