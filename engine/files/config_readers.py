@@ -185,8 +185,10 @@ def _linear_from_gguf(key, trunk: int) -> tuple[tuple[str, ...], LinearAttention
                                   v_head_dim=inner // v_heads, tiled_v_heads=True)
 
 
-def from_gguf_metadata(meta: dict, tensor_shapes: dict[str, tuple[int, ...]]) -> ModelConfig:
-    """Build a ModelConfig from GGUF key/values (already decoded to Python values)."""
+def from_gguf_metadata(meta: dict, tensor_shapes: dict[str, tuple[int, ...]],
+                       rope_freqs: tuple[float, ...] = ()) -> ModelConfig:
+    """Build a ModelConfig from GGUF key/values (already decoded to Python values) and the values
+    of the file's `rope_freqs.weight`, where it has one."""
     arch = meta.get("general.architecture", "?")
     family = GGUF_ARCHS.get(arch, arch)
     names = ", ".join(a for a in (*FAMILIES, *GGUF_ARCHS) if a not in GGUF_ARCHS.values())
@@ -211,12 +213,10 @@ def from_gguf_metadata(meta: dict, tensor_shapes: dict[str, tuple[int, ...]]) ->
     vocab = key("vocab_size") or len(meta.get("tokenizer.ggml.tokens", ())) or tensor_shapes["token_embd.weight"][0]
     scaling = key("rope.scaling.type", "none")
     kind = {"none": "default", "linear": "linear", "yarn": "yarn", "llama3": "llama3"}.get(scaling, scaling)
-    # llama.cpp stores llama3 scaling as precomputed per-frequency factors, which tandem does not read.
-    _check("rope_freqs.weight" not in tensor_shapes,
-           "rope_freqs.weight: GGUF files with precomputed RoPE frequency factors are not supported")
     rope = RopeConfig(
         theta=float(key("rope.freq_base", 10000.0)), kind=kind, factor=float(key("rope.scaling.factor", 1.0)),
         original_max_positions=int(key("rope.scaling.original_context_length", key("context_length", 2048))),
+        freq_factors=rope_freqs,
     )
     eos = meta.get("tokenizer.ggml.eos_token_id")
     eot = meta.get("tokenizer.ggml.eot_token_id")

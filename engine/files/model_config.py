@@ -34,6 +34,9 @@ class RopeConfig:
     mscale: float | None = None
     mscale_all_dim: float | None = None
     truncate: bool = True
+    # A GGUF file's `rope_freqs.weight`: each frequency divided by its factor, on top of `kind`.
+    # llama.cpp's converter writes Llama 3's scaling this way, with no rope.scaling keys.
+    freq_factors: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -266,6 +269,10 @@ def _validate(c: ModelConfig) -> None:
     _check(0 < c.partial_rotary_factor <= 1 and c.rotary_dim % 2 == 0 and c.rotary_dim > 0,
            f"partial_rotary_factor={c.partial_rotary_factor}: must turn an even number of each head's {c.head_dim} "
            f"dims, at least 2 (gives {c.rotary_dim})")
+    if r.freq_factors:
+        _check(len(r.freq_factors) == c.rotary_dim // 2 and all(f > 0 for f in r.freq_factors),
+               f"rope_freqs.weight: must hold {c.rotary_dim // 2} positive factors (one per rotated pair of "
+               f"{c.rotary_dim} dims), found {len(r.freq_factors)} (least {min(r.freq_factors):g})")
     _validate_layer_types(c)
     _validate_compression(c)
     _validate_qwen4_exp(c)
@@ -407,9 +414,10 @@ def recurrent_state_bytes(config: ModelConfig) -> int:
 
 
 def describe_rope(rope: RopeConfig) -> str:
+    factors = " with the file's frequency factors" if rope.freq_factors else ""
     if rope.kind == "default":
-        return f"theta={rope.theta:g}"
-    return f"theta={rope.theta:g} {rope.kind} x{rope.factor:g}"
+        return f"theta={rope.theta:g}{factors}"
+    return f"theta={rope.theta:g} {rope.kind} x{rope.factor:g}{factors}"
 
 
 def num_param_bytes(config: ModelConfig, bytes_per_weight: float) -> int:

@@ -1,7 +1,7 @@
 """Model files: find them, read their headers, check shapes, then (only then) read tensor data.
 
-Two sources: an HF directory (config.json + *.safetensors + tokenizer files) or one GGUF file
-(metadata, tokenizer and quantized tensors in one). Tensors come out under HF names, in f32, or
+Two sources: an HF directory (config.json + *.safetensors + tokenizer files) or a GGUF file
+(metadata, tokenizer and quantized tensors in one; or a model split in parts, opened by its first). Tensors come out under HF names, in f32, or
 asked to keep blocks, a GGUF file's Q4_0 / Q4_1 / Q8_0 matrices as the file stores them.
 """
 from __future__ import annotations
@@ -11,6 +11,7 @@ import importlib.metadata
 import json
 import logging
 import math
+import re
 import struct
 import warnings
 from dataclasses import dataclass, field
@@ -276,8 +277,42 @@ def _read_gguf_metadata(path: Path):
     return reader, meta
 
 
+# llama.cpp's names for the parts of a split model (llama-gguf-split, the converter's --split-max-*).
+SPLIT_NAME = re.compile(r"^(?P<prefix>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
+
+
 def _gguf_index(path: Path) -> tuple[dict, list[GGUFTensor]]:
-    """The file's metadata and tensors. gguf's reader parses every string of the vocabulary one by
+    """A model's metadata and tensors, from one file or from every part of a split one. A split
+    model is opened by its first part, which holds the metadata (as llama.cpp opens it); each part
+    holds some of the tensors, in order."""
+    meta, tensors = _gguf_part_index(path)
+    count = int(meta.get("split.count", 1))
+    if count <= 1:
+        return meta, tensors
+    no = int(meta.get("split.no", 0))
+    name = SPLIT_NAME.match(path.name)
+    if no != 0 or name is None:
+        first = f"{name['prefix']}-00001-of-{count:05d}.gguf" if name else f"the file named *-00001-of-{count:05d}.gguf"
+        raise ConfigError(f"model={str(path)!r}: part {no + 1} of a model split in {count} parts "
+                          f"(split.no={no}); open it by its first part, {first}")
+    for part in range(2, count + 1):
+        other = path.with_name(f"{name['prefix']}-{part:05d}-of-{count:05d}.gguf")
+        if not other.is_file():
+            raise ConfigError(f"model={str(path)!r}: part {part} of {count}, {other.name}, is missing beside it")
+        part_meta, part_tensors = _gguf_part_index(other)
+        if int(part_meta.get("split.no", -1)) != part - 1 or int(part_meta.get("split.count", 0)) != count:
+            raise ConfigError(f"model={str(other)!r}: split.no={part_meta.get('split.no')}, "
+                              f"split.count={part_meta.get('split.count')}: expected part {part} of {count}")
+        tensors += part_tensors
+    expected = int(meta.get("split.tensors.count", len(tensors)))
+    if len(tensors) != expected:
+        raise ConfigError(f"model={str(path)!r}: split.tensors.count={expected}, but its {count} parts hold "
+                          f"{len(tensors)} tensors")
+    return meta, tensors
+
+
+def _gguf_part_index(path: Path) -> tuple[dict, list[GGUFTensor]]:
+    """One file's metadata and tensors. gguf's reader parses every string of the vocabulary one by
     one, 3 s of each process's start on the default model; what tandem reads of it (the metadata,
     and each tensor's type, shape and place in the file) is kept on disk once (engine/files/disk_cache.py)
     and mapped from there after, in 10 ms."""
@@ -315,7 +350,7 @@ def _open_gguf_version(path: Path, size: int, mtime_ns: int) -> ModelFiles:
     sharing is safe."""
     meta, tensors = _gguf_index(path)
     gguf_shapes = {t.name: tuple(reversed(t.shape)) for t in tensors}
-    config = from_gguf_metadata(meta, gguf_shapes)
+    config = from_gguf_metadata(meta, gguf_shapes, _rope_freqs(tensors))
     shapes, stored = {}, {}
     for t in tensors:
         hf = hf_name_of_gguf(t.name, config.family, config.num_layers, config.ngram.layers if config.ngram else ())
@@ -324,6 +359,15 @@ def _open_gguf_version(path: Path, size: int, mtime_ns: int) -> ModelFiles:
                 else gguf_shapes[t.name]
             shapes[hf], stored[hf] = shape, (int(t.tensor_type), int(t.data.nbytes))
     return ModelFiles(path, "gguf", config, shapes, gguf_tensors=tensors, stored=stored)
+
+
+def _rope_freqs(tensors: list[GGUFTensor]) -> tuple[float, ...]:
+    """The values of the file's `rope_freqs.weight` (RoPE's per-frequency factors), () without one."""
+    import gguf
+    for t in tensors:
+        if t.name == "rope_freqs.weight":
+            return tuple(float(v) for v in gguf.quants.dequantize(t.data, t.tensor_type).reshape(-1))
+    return ()
 
 
 # Families whose HF checkpoints tandem reads through a layout (names, shapes, values adapted).

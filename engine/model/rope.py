@@ -13,6 +13,8 @@ def inverse_frequencies(rope: RopeConfig, head_dim: int) -> tuple[torch.Tensor, 
     """Returns ([head_dim / 2] inverse frequencies, attention factor applied to cos and sin)."""
     exponents = torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim
     inv = 1.0 / (rope.theta ** exponents)
+    if rope.freq_factors:
+        inv = inv / torch.tensor(rope.freq_factors, dtype=torch.float32)
     if rope.kind == "linear":
         return inv / rope.factor, 1.0
     if rope.kind == "llama3":

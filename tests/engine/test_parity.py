@@ -35,9 +35,7 @@ class Case:
 ROPE_CASES = {
     "rope_linear_legacy_keys": Case(tiny_config("llama", rope_scaling={"type": "linear", "factor": 2.0}),
                                     legacy_rope=True),
-    "rope_llama3": Case(tiny_config("llama", rope_parameters={
-        "rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "original_max_position_embeddings": 64,
-        "low_freq_factor": 1.0, "high_freq_factor": 4.0})),
+    "rope_llama3": Case(tiny_config("llama3")),
     "rope_yarn": Case(tiny_config("llama", max_position_embeddings=256, rope_parameters={
         "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64})),
 }
