@@ -20,7 +20,8 @@ from engine.files.model_config import ModelConfig, recurrent_state_bytes
 from engine.model.kv_cache import KV_BYTES_PER_VALUE
 from engine.model.mtp import MTPDraft
 from engine.model.recurrent_cache import SNAPSHOTS
-from engine.ops.blocks import GGUF_TYPES
+from engine.files.nearest_format import served
+from engine.ops.blocks import BLOCK
 from engine.ops.quant import BYTES_PER_WEIGHT, compute_dtype
 from engine.placement import Placement
 from engine.settings import EngineConfig
@@ -87,11 +88,11 @@ def layer_kv_bytes(c: ModelConfig, ratio: int, positions: int, kv_types: tuple[s
 
 def estimated_format(dtype: str, stored: dict[str, tuple[int, int]]) -> str:
     """The format the estimate counts every matrix in: the one asked for, or under auto the widest
-    the file keeps (its Q4_0 / Q4_1 / Q8_0 matrices stay so; any other, and an HF model's, load f32).
-    stored: a GGUF file's tensors as ModelFiles.stored gives them."""
+    the file keeps (its quantized matrices in the block format they load in, engine/files/nearest_format.py;
+    plain ones, and an HF model's, f32). stored: a GGUF file's tensors as ModelFiles.stored gives them."""
     if dtype != "auto":
         return dtype
-    kept = {GGUF_TYPES.get(kind, "f32") for name, (kind, _) in stored.items()
+    kept = {served(kind, (1, BLOCK)) or "f32" for name, (kind, _) in stored.items()
             if name.endswith(".weight") and "norm" not in name}
     return max(kept or {"f32"}, key=BYTES_PER_WEIGHT.get)
 

@@ -13,8 +13,9 @@ from pathlib import Path
 from engine.errors import check_rules
 from engine.placement import is_device_name
 
-# Weight formats; "auto": each tensor as the file stores it (GGUF's q4_0, q4_1, q8_0 blocks), else f32.
-DTYPES = ("f32", "bf16", "int8", "q4_0", "q4_1", "q8_0", "auto")
+# Weight formats; "auto": each tensor as the file stores it (GGUF's q4_0, q4_1, q5_0, q8_0 blocks), the
+# file's other block types in the nearest of those (engine/files/weights.py), else f32.
+DTYPES = ("f32", "bf16", "int8", "q4_0", "q4_1", "q5_0", "q8_0", "auto")
 KV_CACHE_TYPES = ("f32", "f16", "bf16", "q8_0")
 # Positions per page of a unified KV pool (--kv-unified).
 PAGE_SIZE = 16

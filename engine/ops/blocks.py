@@ -1,4 +1,4 @@
-"""GGUF's block formats Q4_0, Q4_1 and Q8_0: weights as the file stores them.
+"""GGUF's block formats Q4_0, Q4_1, Q5_0 and Q8_0: weights as the file stores them.
 
 Each row of a weight [N, K] is K / 32 blocks of 32 consecutive input weights, one after another
 (GGUF's layout, little-endian), so a row's bytes are K / 32 * BLOCK_BYTES[format]:
@@ -6,23 +6,31 @@ Each row of a weight [N, K] is K / 32 blocks of 32 consecutive input weights, on
     q8_0  34 bytes: f16 d, 32 x int8 q                      w = d * q
     q4_0  18 bytes: f16 d, 16 bytes of 4-bit q              w = d * (q - 8)
     q4_1  20 bytes: f16 d, f16 m, 16 bytes of 4-bit q       w = d * q + m
+    q5_0  22 bytes: f16 d, 4 bytes qh, 16 bytes of 4-bit q  w = d * (q - 16)
 
-In a 4-bit block byte j holds weight j in its low nibble and weight j + 16 in its high one.
+In a 4-bit block byte j holds weight j in its low nibble and weight j + 16 in its high one; a q5_0
+weight's fifth bit is bit j of qh (a little-endian 32-bit word) for weight j.
 `dequantize` computes w exactly as llama.cpp (and the gguf package) do, in f32, so a block weight
 widened in tandem's kernels is the same number the f32 path reads. `quantize` is llama.cpp's
 reference quantizer (ggml-quants.c, quantize_row_*_ref), written from its definition.
 """
 from __future__ import annotations
 
+import functools
+import logging
 from dataclasses import dataclass
 
 import torch
 
+log = logging.getLogger("tandem.blocks")
+
 BLOCK = 32  # weights per block, along the input dimension
-BLOCK_BYTES = {"q4_0": 18, "q4_1": 20, "q8_0": 34}
+BLOCK_BYTES = {"q4_0": 18, "q4_1": 20, "q5_0": 22, "q8_0": 34}
 FORMATS = tuple(BLOCK_BYTES)
 # GGUF's tensor type numbers (ggml_type) of the block formats.
-GGUF_TYPES = {2: "q4_0", 3: "q4_1", 8: "q8_0"}
+GGUF_TYPES = {2: "q4_0", 3: "q4_1", 6: "q5_0", 8: "q8_0"}
+# GGUF's unquantized types: a matrix in one of these is f32 under "auto", as chosen, not a fallback.
+GGUF_PLAIN_TYPES = {0: "F32", 1: "F16", 30: "BF16"}
 
 
 @dataclass(frozen=True)
@@ -59,11 +67,46 @@ def dequantize(data: torch.Tensor, fmt: str, cols: int) -> torch.Tensor:
     d = _f16(b[..., :2])
     if fmt == "q8_0":
         w = d * b[..., 2:].contiguous().view(torch.int8).float()
+    elif fmt == "q4_1":
+        w = d * _q4(b[..., 4:]).float() + _f16(b[..., 2:4])
     else:
-        qs = b[..., 4:] if fmt == "q4_1" else b[..., 2:]
-        q = torch.cat([qs & 0x0F, qs >> 4], dim=-1)
-        w = d * (q.to(torch.int8) - 8).float() if fmt == "q4_0" else d * q.float() + _f16(b[..., 2:4])
+        w = d * _centred(b, fmt).float()
     return w.reshape(data.shape[0], cols)
+
+
+def _q4(qs: torch.Tensor) -> torch.Tensor:
+    """16 bytes of nibbles [..., 16] -> the 32 4-bit q [..., 32]."""
+    return torch.cat([qs & 0x0F, qs >> 4], dim=-1)
+
+
+def _centred(b: torch.Tensor, fmt: str) -> torch.Tensor:
+    """q4_0 or q5_0 blocks [..., bytes] -> their q - 8 or q - 16 [..., 32], int32."""
+    return _q4(b[..., 2:]).to(torch.int32) - 8 if fmt == "q4_0" else _q5(b) - 16
+
+
+# The formats whose weights d * (q - offset) q8_0 holds exactly (q - offset fits an int8).
+EXACT_IN_Q8_0 = ("q4_0", "q5_0", "q8_0")
+
+
+def as_q8_0(w: BlockTensor) -> BlockTensor:
+    """A weight in one of EXACT_IN_Q8_0 as q8_0 blocks of the same numbers."""
+    if w.format == "q8_0":
+        return w
+    rows = w.data.shape[0]
+    b = w.data.view(rows, w.cols // BLOCK, BLOCK_BYTES[w.format])
+    q = _centred(b, w.format).to(torch.int8).view(torch.uint8)
+    return BlockTensor("q8_0", torch.cat([b[..., :2], q], -1).reshape(rows, -1), w.cols)
+
+
+_BITS = torch.arange(BLOCK, dtype=torch.int32)
+
+
+def _q5(b: torch.Tensor) -> torch.Tensor:
+    """q5_0 blocks [..., 22] -> their 5-bit q [..., 32] (int32)."""
+    qs = b[..., 6:].to(torch.int32)
+    qh = b[..., 2:6].to(torch.int32)
+    high = qh[..., 0:1] | (qh[..., 1:2] << 8) | (qh[..., 2:3] << 16) | (qh[..., 3:4] << 24)
+    return torch.cat([qs & 0x0F, qs >> 4], dim=-1) | (((high >> _BITS) & 1) << 4)
 
 
 def _roundf(v: torch.Tensor) -> torch.Tensor:
@@ -87,6 +130,7 @@ def quantize(w: torch.Tensor, fmt: str) -> torch.Tensor:
     q8_0: d = max|x| / 127, q = roundf(x / d)
     q4_0: d = x_m / -8 for x_m the value of largest magnitude, q = min(15, trunc(x / d + 8.5))
     q4_1: d = (max - min) / 15, m = min, q = min(15, trunc((x - m) / d + 0.5))
+    q5_0: d = x_m / -16 for x_m the value of largest magnitude, q = min(31, trunc(x / d + 16.5))
 
     with 1 / d taken once per block (0 when d is 0) and d, m stored as f16."""
     rows, cols = w.shape
@@ -95,10 +139,17 @@ def quantize(w: torch.Tensor, fmt: str) -> torch.Tensor:
         d = x.abs().amax(-1, keepdim=True) / 127
         q = _roundf(x * _reciprocal(d)).to(torch.int8).view(torch.uint8)
         return torch.cat([_as_f16_bytes(d), q], -1).reshape(rows, -1)
-    if fmt == "q4_0":
-        d = x.gather(-1, x.abs().argmax(-1, keepdim=True)) / -8
-        q = (x * _reciprocal(d) + 8.5).trunc().clamp(0, 15).to(torch.uint8)
+    if fmt in ("q4_0", "q5_0"):
+        levels = 16 if fmt == "q4_0" else 32
+        d = x.gather(-1, x.abs().argmax(-1, keepdim=True)) / -(levels // 2)
+        q = (x * _reciprocal(d) + levels // 2 + 0.5).trunc().clamp(0, levels - 1).to(torch.int32)
         header = _as_f16_bytes(d)
+        if fmt == "q5_0":
+            high = ((q >> 4) << _BITS).sum(-1, keepdim=True)  # the fifth bits as one 32-bit word
+            header = torch.cat([header, torch.stack([(high >> s) & 0xFF for s in (0, 8, 16, 24)], -1)
+                                .reshape(*high.shape[:-1], 4).to(torch.uint8)], -1)
+            q = q & 0x0F
+        q = q.to(torch.uint8)
     else:
         lo, hi = x.amin(-1, keepdim=True), x.amax(-1, keepdim=True)
         d = (hi - lo) / 15
@@ -118,9 +169,23 @@ def take_rows(weight: torch.Tensor | BlockTensor, index: torch.Tensor) -> torch.
 
 
 def cat_rows(parts: list[torch.Tensor | BlockTensor]) -> torch.Tensor | BlockTensor:
-    """Weights stacked along their rows (fused projections): blocks of one format stay blocks; a
-    mix of formats becomes f32."""
-    first = parts[0]
-    if isinstance(first, BlockTensor) and all(isinstance(p, BlockTensor) and p.format == first.format for p in parts):
-        return BlockTensor(first.format, torch.cat([p.data for p in parts]), first.cols)
-    return torch.cat([to_f32(p) for p in parts])
+    """Weights stacked along their rows (fused projections): blocks of one format stay blocks; a mix
+    of formats (a Q4_K_M file's q, k and v) becomes q8_0, of the same numbers where the parts are
+    q4_0, q5_0 or q8_0, the others' rows quantized to q8_0 (within a q8_0 step; the load log says
+    so); a mix with plain weights becomes f32."""
+    if not all(isinstance(p, BlockTensor) for p in parts):
+        return torch.cat([to_f32(p) for p in parts])
+    formats = tuple(sorted({p.format for p in parts}))
+    if len(formats) > 1:
+        inexact = [f for f in formats if f not in EXACT_IN_Q8_0]
+        if inexact:
+            _say_requantized(formats, tuple(inexact))
+        parts = [as_q8_0(p) if p.format in EXACT_IN_Q8_0 else
+                 BlockTensor("q8_0", quantize(p.dequantize(), "q8_0"), p.cols) for p in parts]
+    return BlockTensor(parts[0].format, torch.cat([p.data for p in parts]), parts[0].cols)
+
+
+@functools.cache
+def _say_requantized(formats: tuple[str, ...], inexact: tuple[str, ...]) -> None:
+    log.info("fused projections of %s rows are held as q8_0: the %s rows quantized to it", " and ".join(formats),
+             " and ".join(inexact))

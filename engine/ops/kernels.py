@@ -81,7 +81,7 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | Non
     """x [M, K] @ weight [N, K]^T * scale [N] + bias [N] -> [M, N] in x's dtype, for small M.
 
     weight is f32, bf16 or int8 [N, K], or uint8 [N, K / 32 * B]: each row K / 32 GGUF blocks of
-    B bytes, B naming the format (18 q4_0, 20 q4_1, 34 q8_0; engine/ops/blocks.py has the layouts), so
+    B bytes, B naming the format (18 q4_0, 20 q4_1, 22 q5_0, 34 q8_0; engine/ops/blocks.py has the layouts), so
     a block weight travels through the whole-layer kernel in the same slot as any other, scale None.
     """
     return _ops().linear_rows(x, weight, scale, bias)

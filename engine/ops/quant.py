@@ -1,5 +1,5 @@
 """Weight formats for linear layers: f32, bf16, weight-only int8, and GGUF's blocks (q4_0, q4_1,
-q8_0, engine/ops/blocks.py).
+q5_0, q8_0, engine/ops/blocks.py).
 
 int8 stores one scale per output channel and keeps activations in floating point: quantizing
 activations too loses far too much on small models (docs/architecture.md, "Weight formats"). The
@@ -26,11 +26,11 @@ from engine.ops.blocks import BlockTensor
 log = logging.getLogger("tandem.quant")
 
 TORCH_DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "int8": torch.float32, "q4_0": torch.float32,
-                "q4_1": torch.float32, "q8_0": torch.float32, "auto": torch.float32}
+                "q4_1": torch.float32, "q5_0": torch.float32, "q8_0": torch.float32, "auto": torch.float32}
 # Bytes per weight of each format a tensor can be stored in ("auto" is a choice among them).
 BYTES_PER_WEIGHT = {"f32": 4, "bf16": 2, "int8": 1, **{f: b / blocks.BLOCK for f, b in blocks.BLOCK_BYTES.items()}}
 # Up to this many rows tandem's kernel beats torch's matmul (measured on the default model's layers).
-KERNEL_MAX_ROWS = {"f32": 32, "bf16": 8, "int8": 64, "q4_0": 32, "q4_1": 32, "q8_0": 32}
+KERNEL_MAX_ROWS = {"f32": 32, "bf16": 8, "int8": 64, "q4_0": 32, "q4_1": 32, "q5_0": 32, "q8_0": 32}
 FORMAT_NAMES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
 

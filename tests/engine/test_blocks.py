@@ -13,7 +13,7 @@ from engine.ops.blocks import BlockTensor
 from engine.ops.quant import Linear, stored_format, weight_formats
 
 GGUF_TYPE = {"q4_0": gguf.GGMLQuantizationType.Q4_0, "q4_1": gguf.GGMLQuantizationType.Q4_1,
-             "q8_0": gguf.GGMLQuantizationType.Q8_0}
+             "q5_0": gguf.GGMLQuantizationType.Q5_0, "q8_0": gguf.GGMLQuantizationType.Q8_0}
 
 
 def fixed_tensor() -> torch.Tensor:
@@ -45,9 +45,9 @@ def test_dequantize_reads_the_numbers_llama_cpp_reads(fmt):
     assert np.array_equal(blocks.dequantize(torch.from_numpy(data), fmt, 128).numpy(), reference)
 
 
-@pytest.mark.parametrize("fmt, steps", [("q8_0", 127), ("q4_0", 8), ("q4_1", 7.5)])
+@pytest.mark.parametrize("fmt, steps", [("q8_0", 127), ("q4_0", 8), ("q4_1", 7.5), ("q5_0", 16)])
 def test_each_weight_comes_back_within_one_step_of_its_block(fmt, steps):
-    # One step: d, amax / 127, amax / 8 (q4_0 clips +amax to 7 steps), or the range / 15.
+    # One step: d, amax / 127, amax / 8 or / 16 (q4_0 and q5_0 clip +amax to 7 or 15 steps), or the range / 15.
     w = fixed_tensor()[6:].view(6, 4, 32)  # the random rows
     back = blocks.dequantize(blocks.quantize(w.reshape(6, 128), fmt), fmt, 128).view(6, 4, 32)
     step = w.abs().amax(-1) / steps

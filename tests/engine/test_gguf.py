@@ -1,4 +1,4 @@
-"""A GGUF file in each weight type tandem promises (Q4_0, Q4_1, Q8_0, F16, F32) gives transformers'
+"""A GGUF file in each weight type tandem promises (Q4_0, Q4_1, Q5_0, Q8_0, F16, F32) gives transformers'
 logits for the same file, through chunked prefill and decode: tandem dequantizes every type the
 way the reference reads it, and undoes llama.cpp's q/k row order. The files are written here, as
 llama.cpp's converter lays them out, from a tiny random Llama."""
@@ -19,7 +19,7 @@ from tests.engine.test_parity import (MAX_POSITIONS, PROMPT_LEN, ROPE_CASES, TOL
                                       engine_logits, greedy_reference, load_engine_model, tiny_config)
 
 Q = gguf.GGMLQuantizationType
-TYPES = {"Q4_0": Q.Q4_0, "Q4_1": Q.Q4_1, "Q8_0": Q.Q8_0, "F16": Q.F16, "F32": Q.F32}
+TYPES = {"Q4_0": Q.Q4_0, "Q4_1": Q.Q4_1, "Q5_0": Q.Q5_0, "Q8_0": Q.Q8_0, "F16": Q.F16, "F32": Q.F32}
 CONFIG = tiny_config("llama")
 
 
@@ -121,7 +121,7 @@ def test_each_weight_type_matches_transformers(reference, type_name):
     assert_matches(engine_logits(load_engine_model(path), tokens), logits)
 
 
-@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q5_0", "Q8_0"])
 def test_each_block_type_served_as_stored_matches_transformers(reference, type_name):
     # --dtype auto: the matrices stay the file's blocks, and the kernels widen them to the numbers
     # transformers reads, so the logits match as the f32 path's do.

@@ -73,7 +73,7 @@ a:
 
 
 BAD_DTYPE = "smollm2: {args: [-m, default, -np, '2', --dtype, nosuch]}\n"
-BAD_DTYPE_MESSAGE = "profile 'smollm2': args: --dtype='nosuch': must be one of f32, bf16, int8, q4_0, q4_1, q8_0, auto"
+BAD_DTYPE_MESSAGE = "profile 'smollm2': args: --dtype='nosuch': must be one of f32, bf16, int8, q4_0, q4_1, q5_0, q8_0, auto"
 
 
 def test_profile_args_are_read_by_the_servers_own_flag_parser(tmp_path):

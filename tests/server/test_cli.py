@@ -28,7 +28,7 @@ def test_llama_server_flags_map_onto_the_configs():
 @pytest.mark.parametrize("argv,message", [
     (["-np", "0"], "--parallel='0': must be an integer >= 1"),
     (["--port", "0"], "--port='0': must be an integer in [1, 65535]"),
-    (["--dtype", "nosuch"], "--dtype='nosuch': must be one of f32, bf16, int8, q4_0, q4_1, q8_0, auto"),
+    (["--dtype", "nosuch"], "--dtype='nosuch': must be one of f32, bf16, int8, q4_0, q4_1, q5_0, q8_0, auto"),
     (["-ctk", "q4"], "--cache-type-k='q4': must be one of f32, f16, bf16, q8_0"),
     (["--spec-draft-p-min", "nan"], "--spec-draft-p-min='nan': must be a number in [0, 1]"),
     (["-c", "4k"], "--ctx-size='4k': must be an integer >= 1"),

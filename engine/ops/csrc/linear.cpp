@@ -1,6 +1,6 @@
 // tandem::linear_rows: y = x W^T * scale + bias for a few rows of x (decode slots, verify
 // tokens), with W in f32, bf16, int8 (one f32 scale per output channel) or a GGUF block format
-// (Q4_0, Q4_1, Q8_0: uint8 rows of 32-weight blocks, engine/blocks.py).
+// (Q4_0, Q4_1, Q5_0, Q8_0: uint8 rows of 32-weight blocks, engine/ops/blocks.py).
 //
 // At a few rows a linear layer is a matrix-vector product: every weight is used once per row,
 // so its speed is how fast W streams from memory. Weights are widened to f32 in registers as
@@ -33,8 +33,10 @@ constexpr int64_t QK = 32;  // weights per GGUF block
 // GGUF's blocks, byte for byte (f16 values as raw bits: the blocks are packed, so unaligned).
 struct BlockQ4_0 { uint8_t d[2]; uint8_t qs[QK / 2]; };
 struct BlockQ4_1 { uint8_t d[2]; uint8_t m[2]; uint8_t qs[QK / 2]; };
+struct BlockQ5_0 { uint8_t d[2]; uint8_t qh[4]; uint8_t qs[QK / 2]; };
 struct BlockQ8_0 { uint8_t d[2]; int8_t qs[QK]; };
-static_assert(sizeof(BlockQ4_0) == 18 && sizeof(BlockQ4_1) == 20 && sizeof(BlockQ8_0) == 34, "GGUF block sizes");
+static_assert(sizeof(BlockQ4_0) == 18 && sizeof(BlockQ4_1) == 20 && sizeof(BlockQ5_0) == 22 && sizeof(BlockQ8_0) == 34,
+              "GGUF block sizes");
 
 inline float half(const uint8_t* p) {
   uint16_t bits;
@@ -66,8 +68,40 @@ inline void widen(const BlockQ4_1& b, float* out) {
   }
 }
 
+// q5_0: weight k's fifth bit is bit k of the little-endian word qh.
+inline uint32_t high_bits(const BlockQ5_0& b) {
+  uint32_t qh;
+  std::memcpy(&qh, b.qh, 4);
+  return qh;
+}
+inline void widen(const BlockQ5_0& b, float* out) {
+  const float d = half(b.d);
+  const uint32_t qh = high_bits(b);
+  for (int k = 0; k < QK / 2; ++k) {
+    out[k] = d * static_cast<float>(static_cast<int>((b.qs[k] & 0x0F) | (((qh >> k) & 1) << 4)) - 16);
+    out[k + QK / 2] = d * static_cast<float>(static_cast<int>((b.qs[k] >> 4) | (((qh >> (k + 16)) & 1) << 4)) - 16);
+  }
+}
+
+#ifdef __AVX2__
+// A q5_0 block's 32 values q - 16 as int8, in weight order (both the AVX-512 and AVX2 products
+// widen these): the nibbles, and over them the 32 fifth bits spread to one byte each (byte k
+// takes bit k of qh).
+inline __m256i centred_q5(const BlockQ5_0& b) {
+  const __m128i lo4 = _mm_set1_epi8(0x0F);
+  const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b.qs));
+  const __m256i nib = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), lo4), _mm_and_si128(q, lo4));
+  const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(high_bits(b))),
+                                             _mm256_setr_epi64x(0, 0x0101010101010101, 0x0202020202020202, 0x0303030303030303));
+  const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201));
+  const __m256i fifth = _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(16));
+  return _mm256_sub_epi8(_mm256_or_si256(nib, fifth), _mm256_set1_epi8(16));
+}
+#endif
+
 template <typename B>
-constexpr bool is_block = std::is_same_v<B, BlockQ4_0> || std::is_same_v<B, BlockQ4_1> || std::is_same_v<B, BlockQ8_0>;
+constexpr bool is_block = std::is_same_v<B, BlockQ4_0> || std::is_same_v<B, BlockQ4_1> || std::is_same_v<B, BlockQ5_0> ||
+                          std::is_same_v<B, BlockQ8_0>;
 
 // One weight of a plain format as f32 (a row's tail past its last whole vector, the portable loop).
 inline float widen(float v) { return v; }
@@ -161,6 +195,12 @@ inline void scaled(const BlockQ4_1& b, float d, __m512& w0, __m512& w1) {
   const __m512i index = nibble_index(b.qs);
   w0 = _mm512_permutexvar_ps(index, table);
   w1 = _mm512_permutexvar_ps(_mm512_srli_epi32(index, 4), table);
+}
+inline void scaled(const BlockQ5_0& b, float d, __m512& w0, __m512& w1) {
+  const __m256i q = centred_q5(b);
+  const __m512 dv = _mm512_set1_ps(d);
+  w0 = _mm512_mul_ps(dv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q))));
+  w1 = _mm512_mul_ps(dv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1))));
 }
 // The whole dequantized weight d * q + m (two roundings, as engine/blocks.py computes it).
 template <typename B>
@@ -308,6 +348,15 @@ inline void nibbles(const B& b, int offset, __m256 w[4], __m256 d) {
   w[3] = _mm256_mul_ps(d, ints(_mm_srli_si128(hi, 8), true));
 }
 inline void widen8(const BlockQ4_0& b, __m256 w[4]) { nibbles(b, 8, w, _mm256_set1_ps(half(b.d))); }
+inline void widen8(const BlockQ5_0& b, __m256 w[4]) {
+  const __m256i q = centred_q5(b);
+  const __m128i a = _mm256_castsi256_si128(q), c = _mm256_extracti128_si256(q, 1);
+  const __m256 d = _mm256_set1_ps(half(b.d));
+  w[0] = _mm256_mul_ps(d, ints(a, true));
+  w[1] = _mm256_mul_ps(d, ints(_mm_srli_si128(a, 8), true));
+  w[2] = _mm256_mul_ps(d, ints(c, true));
+  w[3] = _mm256_mul_ps(d, ints(_mm_srli_si128(c, 8), true));
+}
 inline void widen8(const BlockQ4_1& b, __m256 w[4]) {
   nibbles(b, 0, w, _mm256_set1_ps(half(b.d)));
   const __m256 m = _mm256_set1_ps(half(b.m));
@@ -451,12 +500,12 @@ void run(const W* w, int64_t ldw, const float* x, int64_t M, int64_t N, int64_t 
 }
 
 // The bytes per block of a uint8 weight [N, K / 32 * bytes] read against K input features: the
-// row length tells the format apart (18 Q4_0, 20 Q4_1, 34 Q8_0), see engine/kernels.py.
+// row length tells the format apart (18 Q4_0, 20 Q4_1, 22 Q5_0, 34 Q8_0), see engine/ops/kernels.py.
 int64_t block_bytes(const at::Tensor& weight, int64_t K, const char* op) {
   const int64_t row = weight.size(1);
   TORCH_CHECK(K % QK == 0 && (row == K / QK * int64_t{sizeof(BlockQ4_0)} || row == K / QK * int64_t{sizeof(BlockQ4_1)} ||
-                              row == K / QK * int64_t{sizeof(BlockQ8_0)}),
-              op, ": a uint8 weight holds rows of 32-weight blocks (18, 20 or 34 bytes each) for K a multiple of 32; "
+                              row == K / QK * int64_t{sizeof(BlockQ5_0)} || row == K / QK * int64_t{sizeof(BlockQ8_0)}),
+              op, ": a uint8 weight holds rows of 32-weight blocks (18, 20, 22 or 34 bytes each) for K a multiple of 32; "
               "got rows of ", row, " bytes for K = ", K);
   return row / (K / QK);
 }
@@ -493,6 +542,7 @@ at::Tensor dequantize_blocks(const at::Tensor& weight, int64_t K) {
   switch (bytes) {
     case sizeof(BlockQ4_0): dequantize_rows(reinterpret_cast<const BlockQ4_0*>(wp), N, nb, op); break;
     case sizeof(BlockQ4_1): dequantize_rows(reinterpret_cast<const BlockQ4_1*>(wp), N, nb, op); break;
+    case sizeof(BlockQ5_0): dequantize_rows(reinterpret_cast<const BlockQ5_0*>(wp), N, nb, op); break;
     default: dequantize_rows(reinterpret_cast<const BlockQ8_0*>(wp), N, nb, op);
   }
   return out;
@@ -525,6 +575,7 @@ at::Tensor linear_rows(const at::Tensor& x, const at::Tensor& weight, const c10:
       switch (block_bytes(weight, K, "linear_rows")) {
         case sizeof(BlockQ4_0): run(reinterpret_cast<const BlockQ4_0*>(wp), nb, xp, M, N, K, sp, bp, op); break;
         case sizeof(BlockQ4_1): run(reinterpret_cast<const BlockQ4_1*>(wp), nb, xp, M, N, K, sp, bp, op); break;
+        case sizeof(BlockQ5_0): run(reinterpret_cast<const BlockQ5_0*>(wp), nb, xp, M, N, K, sp, bp, op); break;
         default: run(reinterpret_cast<const BlockQ8_0*>(wp), nb, xp, M, N, K, sp, bp, op);
       }
       break;

@@ -8,7 +8,7 @@
 namespace tandem {
 
 // x [M, K] @ weight [N, K]^T * scale [N] + bias [N] -> [M, N] in x's dtype; weight f32, bf16, int8, or
-// uint8 [N, K / 32 * B]: rows of GGUF blocks of B bytes (18 Q4_0, 20 Q4_1, 34 Q8_0).
+// uint8 [N, K / 32 * B]: rows of GGUF blocks of B bytes (18 Q4_0, 20 Q4_1, 22 Q5_0, 34 Q8_0).
 at::Tensor linear_rows(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& scale,
                        const c10::optional<at::Tensor>& bias);
 

@@ -1,0 +1,39 @@
+"""Files quantized as users' are (tests/fixtures/kquants: llama.cpp's converter, then llama-quantize
+Q4_K_M and Q5_K_M, remade by its remake.py): under `--dtype auto` every matrix loads in a block
+format the kernels read (Q4_K as q4_1, Q5_K and Q6_K as q8_0: engine/files/nearest_format.py), none
+in f32, and the greedy tokens equal llama-server's on the same file by the exact-token rule, against
+the file's own numbers (the f32 path reads them as llama.cpp dequantizes them)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from engine.engine import Engine
+from engine.ops.quant import weight_formats
+from engine.sched.sampling import SamplingParams
+from engine.settings import EngineConfig
+from tests.engine.runs import run_all
+from tests.engine.test_parity import one_thread  # noqa: F401
+from tests.exact_tokens import assert_same_greedy, next_token_logits
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "kquants"
+LLAMA = json.loads((FIXTURES / "llama_server.json").read_text())
+FORMATS = {"Q4_K_M": {"q4_1", "q8_0"}, "Q5_K_M": {"q8_0"}}
+
+
+def model(kind: str) -> Path:
+    return FIXTURES / f"tiny-llama256-{kind.lower()}.gguf"
+
+
+@pytest.mark.parametrize("kind", FORMATS)
+def test_a_k_quant_file_is_served_in_block_formats_with_llama_servers_greedy_tokens(kind):
+    engine = Engine.load(EngineConfig(model=str(model(kind)), dtype="auto", ctx_size=512))
+    matrices = {fmt for fmt in weight_formats(engine.model) if fmt != "f32"}
+    assert matrices == FORMATS[kind]
+    assert weight_formats(engine.model).get("f32").nbytes < 16 * 1024, "only the norms stay f32"
+    reference = Engine.load(EngineConfig(model=str(model(kind)), dtype="f32", ctx_size=512))
+    params = SamplingParams(temperature=0, max_tokens=LLAMA["n_predict"], ignore_eos=True)
+    for request, theirs in zip(run_all(engine, LLAMA["prompts"], params), LLAMA["answers"][kind]):
+        assert_same_greedy(request.output_ids, theirs["tokens"], request.prompt_ids, next_token_logits(reference.model))
