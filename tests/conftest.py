@@ -15,6 +15,22 @@ import torch
 torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
 
 
+# The reference load of the default model (hf_default_model: transformers' GGUF reader, 25-37 s of
+# a core) is made once per worker that asks for it.
+SHARED_LOAD = "hf_default_model"
+
+
+def pytest_collection_modifyitems(items):
+    """Whole files go to one worker (--dist loadgroup, pyproject.toml), so module fixtures load once,
+    and every file that reads SHARED_LOAD goes to the same worker, so it loads once in the run."""
+    files = {}
+    for item in items:
+        if SHARED_LOAD in item.fixturenames:
+            files[item.path] = SHARED_LOAD
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(files.get(item.path, str(item.path))))
+
+
 @pytest.fixture(autouse=True)
 def host_share(request, tmp_path_factory):
     """Tests marked `alone` watch the host's cores (a server giving a thread to a busy neighbour and

@@ -255,10 +255,12 @@ def test_the_fit_estimate_is_what_the_engine_allocates(llama8, options):
 
 
 def test_under_auto_the_fit_estimate_counts_the_widest_format_the_file_keeps():
-    """--dtype auto keeps a GGUF file's Q4_0/Q4_1/Q8_0 matrices: the default model's widest is its
-    Q8_0 embedding; any other stored type, and an HF model's weights, load as f32."""
+    """--dtype auto keeps a GGUF file's matrices in blocks (other types than Q4_0/Q4_1/Q5_0/Q8_0 in the
+    nearest of those): the default model's widest is its Q8_0 embedding; a plain F16 matrix, and an HF
+    model's weights, load as f32."""
     stored = open_model("default").stored
     assert estimated_format("auto", stored) == "q8_0"
-    assert estimated_format("auto", {**stored, "model.layers.0.mlp.up_proj.weight": (12, 0)}) == "f32"  # Q6_K
+    assert estimated_format("auto", {**stored, "model.layers.0.mlp.up_proj.weight": (14, 0)}) == "q8_0"  # Q6_K
+    assert estimated_format("auto", {**stored, "model.layers.0.mlp.up_proj.weight": (1, 0)}) == "f32"  # F16
     assert estimated_format("auto", {}) == "f32"
     assert estimated_format("int8", stored) == "int8"
