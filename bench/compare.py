@@ -55,7 +55,7 @@ import torch
 from bench import served
 from bench.processes import BusyLoops
 from bench.formats import TandemSystem, TransformersSystem, add_workload_flags, run, table, tokens_per_second, workload
-from engine import SpecConfig, Tokenizer
+from engine import SpecConfig, Tokenizer, cpu
 from engine.files.model_config import num_param_bytes
 from engine.files.weights import open_model
 from engine.ops.quant import BYTES_PER_WEIGHT
@@ -174,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"model {args.model} ({files.path.name}), tandem {' '.join(args.dtype)}, PP {args.pp} tokens, TG {args.tg} tokens "
           f"at batch 1, greedy, {threads} threads, {args.runs} runs", flush=True)
     results = run(systems, pp_ids, prompts, args.tg, args.runs, log=lambda line: print(line, flush=True))
-    print("\nmedians:\n" + table(results, [TransformersSystem.NAME, LLAMA_CPP]))
+    print(f"\nmedians, {cpu.describe()}:\n" + table(results, [TransformersSystem.NAME, LLAMA_CPP]))
     print(f"\nmemory bandwidth (1 GiB copy, {threads} threads): {bandwidth / 1e9:.1f} GB/s")
     for dtype, per_weight in BYTES_PER_WEIGHT.items():
         nbytes = num_param_bytes(files.config, per_weight)
@@ -279,7 +279,7 @@ def http_main(args: argparse.Namespace) -> int:
             busy.stop()
             for s in systems:
                 s.stop()
-    print("\nmedians:\n" + served_table(series))
+    print(f"\nmedians, {cpu.describe()}:\n" + served_table(series))
     if args.json_schema or args.grammar:
         print("\nheld to a grammar, against the same system free:\n" + held_table(series))
     return 0

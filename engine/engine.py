@@ -46,6 +46,7 @@ class Engine:
         self.cache, self.scheduler, self.eos_ids = parts.cache, parts.scheduler, parts.eos_ids
         self.devices, self.remote, self.placement = parts.devices, parts.remote, parts.placement
         self.weight_formats = parts.weight_formats
+        self.activations = parts.activations
         head = self.placement.stage_ranges()[0] if self.remote is not None else None
         mc = self.model.config
         self.admission = Admission(config.ctx_per_slot, self.placement.num_layers, head,

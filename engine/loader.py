@@ -14,7 +14,7 @@ from engine.footprint import DeviceUsage, measure
 from engine.model.kv_cache import KVCache, cache_for
 from engine.model.transformer import Transformer
 from engine.ops import kernels
-from engine.ops.quant import describe_formats, keeps_blocks
+from engine.ops.quant import describe_formats, keeps_blocks, resolve_activations, use_activations
 from engine.pipeline.draft_rank import DraftLink, RemoteDrafter
 from engine.pipeline.head import MirroredCache, RemoteStages
 from engine.pipeline.ranks import Rank, join
@@ -42,6 +42,7 @@ class Parts:
     remote: RemoteStages | None  # stages 1.. in worker processes (-pp)
     placement: Placement  # the whole model's, remote stages included
     weight_formats: dict[str, int]  # the target's tensors per format
+    activations: str  # what block weights multiply, resolved: "f32" or "q8"
 
 
 def load_parts(config: EngineConfig, headers: Headers, rank: Rank | None, describe_loss) -> Parts:
@@ -73,7 +74,13 @@ def load_parts(config: EngineConfig, headers: Headers, rank: Rank | None, descri
                                config.ctx_per_slot, headers.draft_ratios, placement.draft_device,
                                model.embed_tokens if here else None, model.head_logits)
     del tensors
+    activations = resolve_activations(config.activations, config.dtype)
+    q8_layers = use_activations(model, activations)
+    if drafter is not None and drafter.resident() is not None:
+        q8_layers += use_activations(drafter.resident()[0], activations)
     log.info("loaded %s (%s, %s) in %.1f s", files.path, mc.family, config.dtype, time.perf_counter() - t0)
+    log.info("activations: %s", f"8-bit for {q8_layers} block-weight layers (AVX-512 VNNI)" if q8_layers
+             else "f32")
     formats = model.weight_formats()
     log.info("weights: %s", describe_formats(formats))
     cache = cache_for(config, mc, model.specs, placement.layer_devices())
@@ -115,7 +122,7 @@ def load_parts(config: EngineConfig, headers: Headers, rank: Rank | None, descri
                           draft_max=config.spec.verify_rows if config.spec else 0,
                           keep_hidden=pairs and cache.recurrent is not None)
     return Parts(files, model, tokenizer, cache, scheduler, frozenset(eos), drafter, devices, remote,
-                 headers.placement, {fmt: use.tensors for fmt, use in formats.items()})
+                 headers.placement, {fmt: use.tensors for fmt, use in formats.items()}, activations)
 
 
 def _layer_span(layers: range) -> str:

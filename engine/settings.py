@@ -10,12 +10,17 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from engine import cpu
 from engine.errors import check_rules
 from engine.placement import is_device_name
 
 # Weight formats; "auto": each tensor as the file stores it (GGUF's q4_0, q4_1, q5_0, q8_0 blocks), the
 # file's other block types in the nearest of those (engine/files/weights.py), else f32.
 DTYPES = ("f32", "bf16", "int8", "q4_0", "q4_1", "q5_0", "q8_0", "auto")
+# What block weights multiply: f32 activations, or activations quantized to 8 bits per block of 32
+# (integer dot products, AVX-512 VNNI); auto: q8 where the CPU has it (docs/architecture.md, "Weight formats").
+ACTIVATIONS = ("auto", "f32", "q8")
+BLOCK_DTYPES = ("q4_0", "q4_1", "q5_0", "q8_0", "auto")
 KV_CACHE_TYPES = ("f32", "f16", "bf16", "q8_0")
 # Positions per page of a unified KV pool (--kv-unified).
 PAGE_SIZE = 16
@@ -155,6 +160,7 @@ class SpecConfig:
 class EngineConfig:
     model: str | None = None  # path, or None / "default" for the embedded SmolLM2
     dtype: str = "f32"
+    activations: str = "auto"
     ctx_size: int = 4096  # total positions, split evenly across the slots (or shared: kv_unified)
     parallel: int = 1
     batch_size: int = 2048
@@ -188,6 +194,12 @@ class EngineConfig:
         kv_types = f"must be one of {', '.join(KV_CACHE_TYPES)}"
         check_rules([
             (self.dtype in DTYPES, "dtype", self.dtype, f"must be one of {', '.join(DTYPES)}"),
+            (self.activations in ACTIVATIONS, "activations", self.activations, f"must be one of {', '.join(ACTIVATIONS)}"),
+            (self.activations != "q8" or self.dtype in BLOCK_DTYPES, "activations", self.activations,
+             f"8-bit activations multiply block weights: dtype must be one of {', '.join(BLOCK_DTYPES)}, got {self.dtype}"),
+            (self.activations != "q8" or cpu.has_q8_activations(), "activations", self.activations,
+             f"8-bit activations need a CPU with {', '.join(cpu.Q8_ACTIVATION_FLAGS)}; this one lacks them "
+             "(auto takes f32 here)"),
             (self.cache_type is None or self.cache_type in KV_CACHE_TYPES, "cache_type", self.cache_type, kv_types),
             (self.cache_type_v is None or self.cache_type_v in KV_CACHE_TYPES, "cache_type_v", self.cache_type_v,
              kv_types),

@@ -99,6 +99,8 @@ def create_app(state: ServerState, on_load_failure: Callable[[BaseException], No
             "threads": engine.threads,
             "stream_interval_ms": s.settings.stream_interval * 1000,
             "weight_formats": engine.weight_formats,
+            # What block weights multiply: "q8" (8-bit, integer dot products) or "f32", as --activations resolved.
+            "activations": engine.activations,
             "cache_type_k": c.kv_types[0], "cache_type_v": c.kv_types[1],
             "default_generation_settings": {"n_ctx": c.ctx_per_slot, "params": {
                 "temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "n_predict": -1}},

@@ -50,7 +50,7 @@ def configs(f: ServerFlags) -> tuple[EngineConfig, ServerSettings]:
     still use the whole context; an explicit -np N splits it N ways unless --kv-unified is given."""
     spec = _spec(f)
     parallel, unified, adapted = _slots(f)
-    engine = EngineConfig(model=f.model, dtype=f.dtype, ctx_size=f.ctx_size, parallel=parallel,
+    engine = EngineConfig(model=f.model, dtype=f.dtype, activations=f.activations, ctx_size=f.ctx_size, parallel=parallel,
                           batch_size=f.batch_size, ubatch_size=f.ubatch_size, cache_type=f.cache_type_k,
                           cache_type_v=f.cache_type_v, kv_unified=unified,
                           auto_slots=f.parallel is None and not f.kv_unified, adapted=adapted,

@@ -13,7 +13,7 @@ from typing import Callable, Sequence
 
 from engine import CompressRatios
 from engine.placement import parse_device, parse_devices, parse_layer_split, parse_proportions
-from engine.settings import DTYPES, KV_CACHE_TYPES, SPEC_NONE, SPEC_TYPES
+from engine.settings import ACTIVATIONS, DTYPES, KV_CACHE_TYPES, SPEC_NONE, SPEC_TYPES
 from engine.threads import parse_cpu_mask, parse_cpu_range
 from server.logs import LOG_FORMATS, LOG_LEVELS
 
@@ -36,7 +36,8 @@ class ServerFlags:
     threads: int | None = None
     cpu_mask: frozenset[int] | None = None  # with cpu_range: the CPUs the process runs on (None: as started)
     cpu_range: frozenset[int] | None = None
-    dtype: str = "auto"  # the file's own formats: the default model's Q4_1 blocks give f32's greedy tokens
+    dtype: str = "auto"  # the file's own formats
+    activations: str = "auto"  # 8-bit where the CPU has VNNI (engine.settings.ACTIVATIONS)
     kv_unified: bool = False
     cache_type_k: str | None = None
     cache_type_v: str | None = None
@@ -152,6 +153,9 @@ _FLAGS = (
     _Flag(("-Cr", "--cpu-range"), "CPUs to run on, lo-hi", _parsed(parse_cpu_range)),
     _Flag(("--dtype",), "weight format (default: auto, each tensor as the file stores it, as llama-server serves "
           "it; f32 for a safetensors file)", _one_of(DTYPES)),
+    _Flag(("--activations",), "what block weights multiply (default: auto, q8 where the CPU has AVX-512 VNNI, else "
+          "f32): q8 quantizes activations per block of 32 to 8 bits for integer dot products, as llama.cpp "
+          "does; f32 keeps them exact", _one_of(ACTIVATIONS)),
     _Flag(("--kv-unified",), "one KV pool shared by all slots", None),
     _Flag(("-ctk", "--cache-type-k"),
           "KV cache type for K (default: the compute type, f32 or bf16 with --dtype bf16)", _one_of(KV_CACHE_TYPES)),

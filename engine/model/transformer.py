@@ -121,7 +121,7 @@ def fused_layers(layers: list[DecoderLayer], x: torch.Tensor, batch: ForwardBatc
                                   [view.kpool for view in views], [spec.ratio for spec in specs],
                                   [spec.budget for spec in specs], batch.slots, batch.positions, cos, sin,
                                   heads, kv_heads, layers[0].input_layernorm.eps, batch.rope_positions,
-                                  views[0].pages, linear)
+                                  views[0].pages, linear, layers[0].mlp.gate_up_proj.q8_activations)
 
 
 def run_layers(layers: list[DecoderLayer], x: torch.Tensor, batch: ForwardBatch, cos: torch.Tensor,

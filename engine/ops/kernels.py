@@ -10,31 +10,22 @@ import functools
 import hashlib
 import logging
 import os
-import platform
 from pathlib import Path
 
 import torch
+
+from engine import cpu
 
 log = logging.getLogger(__name__)
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = sorted(CSRC.glob("*.cpp"))
 
 
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return platform.processor()
-
-
 def _build_name() -> str:
     # -march=native code must not be reused on another CPU: the CPU's flags are part of the name.
     # So is the sources' folder: torch's build files name the sources by path, so two checkouts
     # sharing one build would each rebuild it whenever the other had built last.
-    digest = hashlib.sha256(_cpu_flags().encode() + str(CSRC.resolve()).encode())
+    digest = hashlib.sha256(cpu.flags_line().encode() + str(CSRC.resolve()).encode())
     for source in sorted(CSRC.glob("*.[ch]*")):  # the header too: every source includes it
         digest.update(source.read_bytes())
     return f"tandem_kernels_{digest.hexdigest()[:12]}"
@@ -76,15 +67,23 @@ def _ops():
     return torch.ops.tandem
 
 
+@functools.cache
+def q8_activations_supported() -> bool:
+    """Whether the kernels were built with their 8-bit activation path (AVX-512 VNNI and VBMI)."""
+    return available() and torch.ops.tandem.q8_activations_supported()
+
+
 def linear_rows(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None,
-                bias: torch.Tensor | None) -> torch.Tensor:
+                bias: torch.Tensor | None, q8_activations: bool = False) -> torch.Tensor:
     """x [M, K] @ weight [N, K]^T * scale [N] + bias [N] -> [M, N] in x's dtype, for small M.
 
     weight is f32, bf16 or int8 [N, K], or uint8 [N, K / 32 * B]: each row K / 32 GGUF blocks of
     B bytes, B naming the format (18 q4_0, 20 q4_1, 22 q5_0, 34 q8_0; engine/ops/blocks.py has the layouts), so
     a block weight travels through the whole-layer kernel in the same slot as any other, scale None.
+    q8_activations: a block weight multiplies x quantized per block of 32 to 8 bits, in integer dot
+    products (where q8_activations_supported(); docs/architecture.md, "Weight formats").
     """
-    return _ops().linear_rows(x, weight, scale, bias)
+    return _ops().linear_rows(x, weight, scale, bias, q8_activations)
 
 
 def dequantize_blocks(weight: torch.Tensor, cols: int) -> torch.Tensor:
@@ -129,7 +128,8 @@ def decoder_layers(x: torch.Tensor, weights: list[torch.Tensor | None], k_cache:
                    budgets: list[int], slots: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
                    sin: torch.Tensor, heads: int, kv_heads: int, eps: float,
                    rope_positions: torch.Tensor | None = None, pages: torch.Tensor | None = None,
-                   linear_layers: list[torch.Tensor | None] | None = None) -> torch.Tensor:
+                   linear_layers: list[torch.Tensor | None] | None = None,
+                   q8_activations: bool = False) -> torch.Tensor:
     """Decoder layers over x [N, hidden], each token a row at positions[n] of slot slots[n]: it
     writes its K/V there and attends causally to its slot. weights: each layer's kernel_weights,
     concatenated; k_cache, v_cache: each layer's [S, KVH, C, D], and k_scales, v_scales its q8_0
@@ -144,10 +144,10 @@ def decoder_layers(x: torch.Tensor, weights: list[torch.Tensor | None], k_cache:
     and cos, sin [N, R] may turn fewer dims than D (partial RoPE). linear_layers: per layer a linear-
     attention layer's 7 tensors (its convolution, A, dt_bias, each value head's key head, the gated
     norm's weight, its conv and state stores: engine/model/gated_delta.py) or 7 None for an attention
-    layer, whose K/V cache entries then stand in (unread) for its own."""
+    layer, whose K/V cache entries then stand in (unread) for its own. q8_activations: as linear_rows'."""
     return _ops().decoder_layers(x, weights, k_cache, v_cache, k_scales, v_scales, kpools, ratios, budgets, slots,
                                  positions, cos, sin,
-                                 heads, kv_heads, eps, rope_positions, pages, linear_layers)
+                                 heads, kv_heads, eps, rope_positions, pages, linear_layers, q8_activations)
 
 
 def gated_delta_rows(proj: torch.Tensor, key_dim: int, conv_weight: torch.Tensor, A: torch.Tensor,

@@ -87,6 +87,7 @@ class Linear(nn.Module):
         else:
             self.register_buffer("weight", blocks.to_f32(weight).to(TORCH_DTYPES[fmt]).contiguous())
         self.register_buffer("bias", None if bias is None else bias.to(TORCH_DTYPES[fmt]))
+        self.q8_activations = False  # use_activations() sets it on block weights
 
     @property
     def is_blocks(self) -> bool:
@@ -108,14 +109,33 @@ class Linear(nn.Module):
         return blocks.dequantize(rows, self.dtype, self.cols)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() == 2 and x.shape[0] <= self.max_kernel_rows and kernels.usable(x):
-            return kernels.linear_rows(x, self.weight, self.scale, self.bias)
+        # With 8-bit activations every row count takes the kernel: a prompt chunk's rows are then
+        # the numbers its decode rows would be, as a verify row is its decode row's.
+        if x.dim() == 2 and (self.q8_activations or x.shape[0] <= self.max_kernel_rows) and kernels.usable(x):
+            return kernels.linear_rows(x, self.weight, self.scale, self.bias, self.q8_activations)
         if self.is_blocks:
             return F.linear(x, self._dequantized(self.weight), self.bias)
         if self.scale is None:
             return F.linear(x, self.weight, self.bias)
         y = F.linear(x, self.weight.to(x.dtype)) * self.scale
         return y if self.bias is None else y + self.bias
+
+
+def resolve_activations(choice: str, dtype: str) -> str:
+    """What --activations (checked by EngineConfig) means for a model loaded under `dtype`: "auto" is
+    q8 where the weights are blocks and the kernels have the 8-bit path, f32 elsewhere."""
+    if choice == "auto":
+        return "q8" if keeps_blocks(dtype) and kernels.q8_activations_supported() else "f32"
+    return choice
+
+
+def use_activations(model: nn.Module, activations: str) -> int:
+    """Sets every block-weight Linear of `model` to multiply f32 or 8-bit activations ("f32" or "q8",
+    resolved); returns how many layers take q8."""
+    layers = [m for m in model.modules() if isinstance(m, Linear) and m.is_blocks]
+    for m in layers:
+        m.q8_activations = activations == "q8"
+    return len(layers) if activations == "q8" else 0
 
 
 @dataclass

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from engine.ops.quant import compute_dtype, keeps_blocks
+from engine.ops.quant import compute_dtype, keeps_blocks, resolve_activations, use_activations
 from engine.pipeline.ranks import join
 from engine.pipeline.transport import HEARTBEAT_S, LinkError, Op, Pending
 from engine.sched.request import Draft, Request
@@ -250,6 +250,8 @@ def draft_main(config, headers, rank) -> int:
     drafter = load_drafter(config.spec, headers.draft, mc, tensors, config.dtype, config.parallel,
                            config.ctx_per_slot, headers.draft_ratios, placement.draft_device)
     del tensors
+    if drafter.resident() is not None:
+        use_activations(drafter.resident()[0], resolve_activations(config.activations, config.dtype))
     log.info("the draft (rank %d of %d): %s on %s loaded", rank.rank, rank.world, config.spec.type,
              placement.draft_device)
     join(rank, placement)

@@ -12,7 +12,7 @@ from engine.model.layer_spec import trunk_specs
 from engine.model.rope import rope_table
 from engine.model.transformer import decoder_layer, Stage
 from engine.ops.arena import move_to_huge_pages
-from engine.ops.quant import compute_dtype, keeps_blocks
+from engine.ops.quant import compute_dtype, keeps_blocks, resolve_activations, use_activations
 from engine.pipeline.ranks import join
 from engine.pipeline.transport import CacheOp, Link, LinkError, Message, Op
 
@@ -43,6 +43,7 @@ class WorkerStage:
         self.cos, self.sin = cos.to(compute_dtype(dtype)), sin.to(compute_dtype(dtype))
         self.stage = Stage([decoder_layer(config, renamed, i, dtype, spec, (self.cos, self.sin), layers.start + i)
                             for i, spec in enumerate(specs)], device, False, False)
+        use_activations(self.stage, resolve_activations(c.activations, dtype))
         move_to_huge_pages(self.stage)
         self.cache = cache_for(c, config, specs, [device] * len(specs), layers)
 

@@ -76,6 +76,52 @@ def test_a_row_gives_the_same_bits_whatever_rows_share_the_call(fmt):
         assert torch.equal(kernels.linear_rows(x[:rows], w, scale, None), alone[:rows]), rows
 
 
+def q8_reading(x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] as 8-bit activations stand for it: per block of 32, d = max|x| / 127 (kept as f16) and
+    q = round(x / d) half to even, read back as d * q (llama.cpp's q8_0 of an activation row)."""
+    b = x.view(x.shape[0], -1, blocks.BLOCK)
+    d = b.abs().amax(-1, keepdim=True) / 127
+    q = torch.round(b * torch.where(d == 0, torch.zeros_like(d), 1 / d))
+    return (q * d.half().float()).view_as(x)
+
+
+@pytest.mark.parametrize("fmt", blocks.FORMATS)
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 9, 40])
+@pytest.mark.parametrize("k", [32, 96, 160, 576, 2080])  # groups of 4 blocks with 1, 3 and 1 left over
+def test_block_weights_against_8_bit_activations_give_the_integer_product(fmt, rows, k):
+    # With q8 activations a block's product is sum u q exact in int32, times d_w d_x, less its offset's
+    # share: the f32 product of the dequantized weight with the quantized-then-read-back x, up to the
+    # order of the f32 sum over blocks.
+    torch.manual_seed(rows * 1000 + k)
+    n = 37
+    data = blocks.quantize(torch.randn(n, k), fmt)
+    bias, x = torch.randn(n), torch.randn(rows, k)
+    if k > 32:
+        x[0, :32] = 0  # a zero block: d = 0, no division by it
+    if not kernels.q8_activations_supported():
+        with pytest.raises(RuntimeError, match="8-bit activations need AVX-512 VNNI"):
+            kernels.linear_rows(x, data, None, bias, True)
+        return
+    ref = q8_reading(x) @ blocks.dequantize(data, fmt, k).T + bias
+    y = kernels.linear_rows(x, data, None, bias, True)
+    assert ((y - ref).abs().max() / ref.abs().max()) < 1e-5
+    f32 = kernels.linear_rows(x, data, None, bias)
+    assert not torch.equal(y, f32)  # the activations were quantized, not read as f32
+
+
+@pytest.mark.skipif(not kernels.q8_activations_supported(), reason="the host lacks AVX-512 VNNI (the refusal "
+                    "is tested above)")
+@pytest.mark.parametrize("fmt", blocks.FORMATS)
+def test_a_row_against_8_bit_activations_gives_the_same_bits_whatever_rows_share_the_call(fmt):
+    torch.manual_seed(8)
+    n, k = 37, 160
+    w = blocks.quantize(torch.randn(n, k), fmt)
+    x = torch.randn(40, k)
+    alone = torch.cat([kernels.linear_rows(x[i:i + 1], w, None, None, True) for i in range(40)])
+    for rows in (2, 4, 5, 8, 9, 17, 40):
+        assert torch.equal(kernels.linear_rows(x[:rows], w, None, None, True), alone[:rows]), rows
+
+
 @pytest.mark.parametrize("fmt", blocks.FORMATS)
 def test_dequantize_blocks_gives_the_numbers_the_f32_path_reads(fmt):
     data = blocks.quantize(torch.randn(45, 320), fmt)

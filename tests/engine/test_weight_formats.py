@@ -1,12 +1,16 @@
 """`--dtype auto` on the default model, whose file stores Q4_1 blocks and a Q8_0 embedding: the
-weights stay the file's blocks in memory, and the logits equal the f32 path's (which reads the same
-file dequantized) up to summation order, through prefill, decode, two slots and MTP verification."""
+weights stay the file's blocks in memory, and with f32 activations the logits equal the f32 path's
+(which reads the same file dequantized) up to summation order, through prefill, decode, two slots
+and MTP verification. With 8-bit activations (`--activations q8`, where the CPU has VNNI) they are
+other numbers, and speculation and batching still give exactly the tokens of one request alone."""
 from __future__ import annotations
 
 import pytest
 import torch
 
+from engine import cpu
 from engine.cli.validate import stored_formats
+from engine.errors import ConfigError
 from engine.engine import Engine
 from engine.model.batch import ForwardBatch, Row
 from engine.model.kv_cache import KVCache
@@ -24,7 +28,8 @@ PROMPTS = ["Write a poem about tides", "List five uses of a paperclip."]
 @pytest.fixture(scope="module")
 def auto_engine():
     spec = SpecConfig(pacing=False, type="draft-mtp", draft_model=str(MTP_DRAFT), n_max=3, p_min=0.0)
-    return Engine.load(EngineConfig(model="default", dtype="auto", ctx_size=2 * 1024, parallel=2, spec=spec))
+    return Engine.load(EngineConfig(model="default", dtype="auto", activations="f32", ctx_size=2 * 1024, parallel=2,
+                                    spec=spec))
 
 
 @pytest.fixture(scope="module")
@@ -71,3 +76,23 @@ def test_greedy_in_two_slots_with_the_mtp_draft_equals_f32_greedy(default_engine
         assert len(got) == len(expected) == 48
         assert_same_greedy(got, expected, ids, f32_logits)
     assert sum(auto_engine.stats.accepted_at) > 0, "no draft was accepted: verification never ran"
+
+
+@pytest.mark.skipif(not cpu.has_q8_activations(), reason="the host lacks AVX-512 VNNI: auto takes f32 (tested above)")
+def test_with_8_bit_activations_two_drafting_slots_give_the_tokens_of_one_plain_request():
+    spec = SpecConfig(pacing=False, type="draft-mtp", draft_model=str(MTP_DRAFT), n_max=3, p_min=0.0)
+    drafting = Engine.load(EngineConfig(model="default", dtype="auto", activations="q8", ctx_size=2 * 1024,
+                                        parallel=2, spec=spec))
+    plain = Engine.load(EngineConfig(model="default", dtype="auto", ctx_size=1024))
+    assert drafting.activations == plain.activations == "q8"  # auto chose the 8-bit path here
+    prompts = [chat_ids(plain, p) for p in PROMPTS]
+    alone = [run_alone(plain, ids, GREEDY) for ids in prompts]
+    assert run_together(drafting, prompts, GREEDY) == alone
+    assert sum(drafting.stats.accepted_at) > 0, "no draft was accepted: verification never ran"
+
+
+def test_8_bit_activations_are_refused_where_they_cannot_apply():
+    with pytest.raises(ConfigError, match="activations='q8': 8-bit activations multiply block weights"):
+        EngineConfig(model="default", dtype="f32", activations="q8")
+    with pytest.raises(ConfigError, match="activations='q4': must be one of auto, f32, q8"):
+        EngineConfig(model="default", dtype="auto", activations="q4")

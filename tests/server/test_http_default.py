@@ -1,8 +1,8 @@
 """Greedy output through a real server on the default model (SmolLM2-135M): the official openai
 client, concurrent streams against solo runs, and prefix reuse, on a plain f32 server (`--spec-type
 none --dtype f32`, two slots); and what `python -m server` serves with no flags: the file's own
-Q4_1 blocks and the shipped MTP draft on 4 slots sharing one KV pool, with the plain f32 server's
-greedy answer.
+Q4_1 blocks (against 8-bit activations where the CPU has VNNI) and the shipped MTP draft on 4 slots
+sharing one KV pool, with the plain f32 server's greedy answer.
 
 Token lists are compared with the exact-token rule (docs/architecture.md, "The exact-token rule");
 the reference's top-2 logit gap comes from its own top_logprobs (a logprob gap equals the logit gap)."""
@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
+from engine import cpu
 from engine.settings import DEFAULT_DRAFT
 from tests.exact_tokens import NEAR_TIE, first_difference
 from tests.server.helpers import sse_events
@@ -149,6 +150,7 @@ def test_the_main_command_serves_the_shipped_draft_on_four_unified_slots(start_s
     assert (props["speculative"]["type"], props["speculative"]["draft_model"], props["speculative"]["width"]) == \
         ("draft-mtp-ngram", str(DEFAULT_DRAFT), 1)
     assert (props["dtype"], props["total_slots"], props["kv_unified"]) == ("auto", 4, True)
+    assert props["activations"] == ("q8" if cpu.has_q8_activations() else "f32")  # --activations auto
     assert [(s["n_ctx"], s["speculative"]) for s in slots] == [(props["n_ctx"], True)] * 4
     with server.client() as c:
         plain = whole(c, chat(QUESTIONS[3]))

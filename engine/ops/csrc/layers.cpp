@@ -50,8 +50,9 @@ at::Tensor required(const Weights& w, int64_t i) {
   return *t;
 }
 
-at::Tensor linear(const at::Tensor& x, const Weights& w, int64_t base, Slot s) {
-  return tandem::linear_rows(x, required(w, base + s), w.get(base + s + 1), w.get(base + s + 2));
+// q8: block weights take 8-bit activations (linear_rows).
+at::Tensor linear(const at::Tensor& x, const Weights& w, int64_t base, Slot s, bool q8) {
+  return tandem::linear_rows(x, required(w, base + s), w.get(base + s + 1), w.get(base + s + 2), q8);
 }
 
 // Rows of qk [N, heads, D] normalised per head, in place.
@@ -135,15 +136,15 @@ at::Tensor gated_norm(const at::Tensor& core, const at::Tensor& z, const at::Ten
 
 // A linear-attention layer's mixer over its normed input h [N, hidden] -> [N, hidden] (its stores written).
 at::Tensor linear_attention(const at::Tensor& h, const Weights& w, int64_t b, const Weights& lin, int64_t l,
-                            const at::Tensor& slots, const at::Tensor& positions, double eps) {
+                            const at::Tensor& slots, const at::Tensor& positions, double eps, bool q8) {
   const auto get = [&](LinearSlot t) { return *lin.get(l * PER_LINEAR + t); };
   const at::Tensor conv_weight = get(CONV_WEIGHT), state = get(STATE_STORE);
   const int64_t H = state.size(2), Dv = state.size(4), C = conv_weight.size(0);
-  const at::Tensor proj = linear(h, w, b, QKV).to(at::kFloat);
+  const at::Tensor proj = linear(h, w, b, QKV, q8).to(at::kFloat);
   const at::Tensor core = tandem::gated_delta_rows(proj, (C - H * Dv) / 2, conv_weight, get(A), get(DT_BIAS),
                                                    get(K_HEAD), get(CONV_STORE), state, slots, positions);
   const at::Tensor normed = gated_norm(core, proj.narrow(1, C, H * Dv), get(GATED_NORM), eps);
-  return linear(normed.to(h.scalar_type()), w, b, O);
+  return linear(normed.to(h.scalar_type()), w, b, O, q8);
 }
 
 // Where slot s's positions 0 .. length-1 lie in a pool of `pool` rows, [length] int64.
@@ -234,7 +235,8 @@ at::Tensor decoder_layers(const at::Tensor& hidden, const Weights& weights, cons
                           at::IntArrayRef ratios, at::IntArrayRef budgets, const at::Tensor& slots,
                           const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin, int64_t heads,
                           int64_t kv_heads, double eps, const c10::optional<at::Tensor>& rope_positions,
-                          const c10::optional<at::Tensor>& pages, const c10::optional<Weights>& linear_layers) {
+                          const c10::optional<at::Tensor>& pages, const c10::optional<Weights>& linear_layers,
+                          bool q8_activations) {
   const int64_t layers = static_cast<int64_t>(k_cache.size()), N = hidden.size(0);
   TORCH_CHECK(hidden.dim() == 2 && v_cache.size() == k_cache.size() &&
                   static_cast<int64_t>(weights.size()) == layers * PER_LAYER,
@@ -259,11 +261,11 @@ at::Tensor decoder_layers(const at::Tensor& hidden, const Weights& weights, cons
   for (int64_t l = 0; l < layers; ++l) {
     const int64_t b = l * PER_LAYER;
     if (!lin.empty() && lin.get(l * PER_LINEAR).has_value()) {  // a linear-attention (recurrent) layer
-      x = x + linear_attention(tandem::rms_norm(x, required(weights, b + IN_NORM), eps), weights, b, lin, l, s, p, eps);
+      x = x + linear_attention(tandem::rms_norm(x, required(weights, b + IN_NORM), eps), weights, b, lin, l, s, p, eps, q8_activations);
       const at::Tensor gate_up = linear(tandem::rms_norm(x, required(weights, b + POST_NORM), eps), weights, b,
-                                        GATE_UP);
+                                        GATE_UP, q8_activations);
       const int64_t inter = gate_up.size(1) / 2;
-      x = x + linear(at::silu(gate_up.narrow(1, 0, inter)) * gate_up.narrow(1, inter, inter), weights, b, DOWN);
+      x = x + linear(at::silu(gate_up.narrow(1, 0, inter)) * gate_up.narrow(1, inter, inter), weights, b, DOWN, q8_activations);
       continue;
     }
     Store ks{k_cache[l], k_scales.get(l)}, vs{v_cache[l], v_scales.get(l)};
@@ -303,7 +305,7 @@ at::Tensor decoder_layers(const at::Tensor& hidden, const Weights& weights, cons
       tandem::check_rows(pages, sp[n], pp[n] + 1, kc.size(2), "decoder_layers");
     }
     // [q | k | v] heads, then a gated layer's output gates, one per query head (Qwen3.5).
-    const at::Tensor qkv = linear(tandem::rms_norm(x, required(weights, b + IN_NORM), eps), weights, b, QKV)
+    const at::Tensor qkv = linear(tandem::rms_norm(x, required(weights, b + IN_NORM), eps), weights, b, QKV, q8_activations)
                                .view({N, -1, D});
     const bool gated = qkv.size(1) == 2 * heads + 2 * kv_heads;
     if (weights.get(b + Q_NORM).has_value()) {
@@ -317,10 +319,10 @@ at::Tensor decoder_layers(const at::Tensor& hidden, const Weights& weights, cons
     at::Tensor attn = attend_rows(qkv.narrow(1, 0, heads), ks, vs, kpool, s, p, lengths, last, ratio,
                                   ratio ? budgets[l] / ratio : 0, pages);
     if (gated) attn = attn * at::sigmoid(qkv.narrow(1, heads + 2 * kv_heads, heads));
-    x = x + linear(attn.reshape({N, heads * D}), weights, b, O);
-    const at::Tensor gate_up = linear(tandem::rms_norm(x, required(weights, b + POST_NORM), eps), weights, b, GATE_UP);
+    x = x + linear(attn.reshape({N, heads * D}), weights, b, O, q8_activations);
+    const at::Tensor gate_up = linear(tandem::rms_norm(x, required(weights, b + POST_NORM), eps), weights, b, GATE_UP, q8_activations);
     const int64_t inter = gate_up.size(1) / 2;
-    x = x + linear(at::silu(gate_up.narrow(1, 0, inter)) * gate_up.narrow(1, inter, inter), weights, b, DOWN);
+    x = x + linear(at::silu(gate_up.narrow(1, 0, inter)) * gate_up.narrow(1, inter, inter), weights, b, DOWN, q8_activations);
   }
   return x;
 }
@@ -331,7 +333,7 @@ TORCH_LIBRARY_FRAGMENT(tandem, m) {
   m.def("decoder_layers(Tensor hidden, Tensor?[] weights, Tensor[] k_cache, Tensor[] v_cache, Tensor?[] k_scales, "
         "Tensor?[] v_scales, Tensor?[] kpools, "
         "int[] ratios, int[] budgets, Tensor slots, Tensor positions, Tensor cos, Tensor sin, int heads, int kv_heads, "
-        "float eps, Tensor? rope_positions=None, Tensor? pages=None, Tensor?[]? linear_layers=None) -> Tensor");
+        "float eps, Tensor? rope_positions=None, Tensor? pages=None, Tensor?[]? linear_layers=None, bool q8_activations=False) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tandem, CPU, m) { m.impl("decoder_layers", decoder_layers); }

@@ -16,6 +16,7 @@
 
 #include "tandem.h"
 
+#include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
@@ -278,6 +279,226 @@ inline float min_of(const BlockQ4_1& b) { return half(b.m); }
 template <typename B>
 inline float min_of(const B&) { return 0.f; }
 
+// ---- 8-bit activations (docs/architecture.md, "Weight formats": "8-bit activations") ----
+//
+// With --activations q8 a block weight multiplies activations quantized per block of 32 as
+// llama.cpp's q8_0 (d_x = max|x| / 127 rounded to f16, q_x = round(x / (max|x| / 127)), half to
+// even), so that a block's product is an integer dot product, sum u q_x, exact in int32, times
+// the block's d_w d_x: VNNI's vpdpbusd takes 64 of its u8 x s8 products per instruction, where the
+// f32 path widens, converts and multiplies each weight. Every weight format is u unsigned with
+// w = d (u - offset) (q4_1: d u + m); the offset's share, -offset d_w sum_k x_k (q4_1: m sum_k x_k),
+// multiplies each block's sum of x, d_x sum q_x, with the block sums of 16 blocks in one vector.
+// A row's sums run in the same order whatever rows share the call, so a verify row equals the
+// decode row it stands for, bit for bit, as on the f32 path.
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
+#define TANDEM_Q8_ACTIVATIONS 1
+
+template <typename B> constexpr int OFFSET = 0;
+template <> constexpr int OFFSET<BlockQ4_0> = 8;
+template <> constexpr int OFFSET<BlockQ5_0> = 16;
+template <> constexpr int OFFSET<BlockQ8_0> = 128;
+template <typename B> constexpr int QS = offsetof(B, qs);  // where a block's nibbles (or bytes) start
+
+// The weights of a group of 4 blocks as vectors of u8 against which quantized activations are laid
+// out. The 4- and 5-bit formats go in halves: `lo` holds weights 0..15 of blocks 0..3 (16 bytes
+// each), `hi` their weights 16..31, so that the int32 lanes 4t..4t+3 of both products sum block t
+// and the two add up. q8_0 goes in block order, two blocks a vector (lanes 8t..8t+7 block t).
+template <typename B> constexpr bool HALVES = !std::is_same_v<B, BlockQ8_0>;
+template <typename B> constexpr int LANES = HALVES<B> ? 4 : 8;  // int32 lanes a block's sum spreads over
+
+// vpermt2b's index for 4 whole blocks read as two registers, bytes [0, 64) and [4 sizeof(B) - 64,
+// 4 sizeof(B)) of the group (the second ends at the group's end, so no load reaches past the
+// weight): byte 16t + j of the result is byte j of block t's nibbles.
+template <typename B>
+struct NibbleIndex {
+  __m512i index;
+  NibbleIndex() {
+    alignas(64) uint8_t bytes[64];
+    constexpr int second = 4 * static_cast<int>(sizeof(B)) - 64;
+    for (int t = 0; t < 4; ++t)
+      for (int j = 0; j < 16; ++j) {
+        const int at = t * static_cast<int>(sizeof(B)) + QS<B> + j;
+        bytes[16 * t + j] = static_cast<uint8_t>(at < 64 ? at : 64 + at - second);
+      }
+    index = _mm512_load_si512(bytes);
+  }
+};
+
+// The nibbles of `blocks` (at most 4) blocks from p, block t's in bytes 16t.., zero past them (unread).
+template <typename B>
+inline __m512i nibbles(const B* p, int blocks, const __m512i& index) {
+  if (blocks == 4) {
+    const uint8_t* bytes = reinterpret_cast<const uint8_t*>(p);
+    return _mm512_permutex2var_epi8(_mm512_loadu_si512(bytes), index, _mm512_loadu_si512(bytes + 4 * sizeof(B) - 64));
+  }
+  __m512i raw = _mm512_setzero_si512();
+  for (int t = 0; t < blocks; ++t)
+    raw = _mm512_mask_broadcast_i32x4(raw, static_cast<__mmask16>(0xF << (4 * t)),
+                                      _mm_loadu_si128(reinterpret_cast<const __m128i*>(p[t].qs)));
+  return raw;
+}
+
+template <typename B>
+inline void unpack(const B* p, int blocks, __m512i& lo, __m512i& hi, const __m512i& index) {
+  const __m512i raw = nibbles(p, blocks, index);
+  const __m512i lo4 = _mm512_set1_epi8(0x0F);
+  lo = _mm512_and_si512(raw, lo4);
+  hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), lo4);
+  if constexpr (std::is_same_v<B, BlockQ5_0>) {
+    // The fifth bits: bits 0..15 of block t's qh belong to its weights 0..15, in lo's bytes 16t..
+    uint64_t below = 0, above = 0;
+    for (int t = 0; t < blocks; ++t) {
+      const uint32_t qh = high_bits(p[t]);
+      below |= static_cast<uint64_t>(qh & 0xFFFF) << (16 * t);
+      above |= static_cast<uint64_t>(qh >> 16) << (16 * t);
+    }
+    const __m512i sixteen = _mm512_set1_epi8(16);
+    lo = _mm512_mask_add_epi8(lo, below, lo, sixteen);
+    hi = _mm512_mask_add_epi8(hi, above, hi, sixteen);
+  }
+}
+
+// q8_0: blocks 0 and 1 of the group in `lo`, 2 and 3 in `hi`, each byte q + 128.
+template <>
+inline void unpack(const BlockQ8_0* p, int blocks, __m512i& lo, __m512i& hi, const __m512i&) {
+  const auto two = [&](int t) {
+    const int n = std::max(0, std::min(2, blocks - t));
+    const __m256i first = n > 0 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p[t].qs)) : _mm256_setzero_si256();
+    const __m256i second = n > 1 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p[t + 1].qs)) : _mm256_setzero_si256();
+    return _mm512_xor_si512(_mm512_inserti64x4(_mm512_castsi256_si512(first), second, 1), _mm512_set1_epi8(-128));
+  };
+  lo = two(0);
+  hi = two(2);
+}
+
+// M rows of x quantized for weights of block type B: per row, G groups of 128 int8 in B's layout,
+// each block's d_x repeated over its LANES<B> lanes, and each block's d_x sum q_x; padded with
+// zeros to whole groups.
+struct QuantizedRows {
+  const int8_t* q;
+  const float* dx;
+  const float* sx;
+  int64_t groups;  // per row
+  const int8_t* q_row(int64_t j) const { return q + j * groups * 128; }
+};
+
+template <typename B>
+QuantizedRows quantize_rows(const float* x, int64_t M, int64_t nb) {
+  thread_local std::vector<int8_t> q;
+  thread_local std::vector<float> dx, sx;
+  const int64_t groups = (nb + 3) / 4, padded = groups * 4;
+  q.assign(M * groups * 128, 0);
+  dx.assign(M * padded * LANES<B>, 0.f);
+  sx.assign(M * padded, 0.f);
+  // The buffers are this thread's: the workers below write through pointers, not their own copies.
+  int8_t* qp = q.data();
+  float *dp = dx.data(), *sp = sx.data();
+  at::parallel_for(0, M, std::max<int64_t>(1, 4096 / (nb * QK)), [&](int64_t begin, int64_t end) {
+    for (int64_t j = begin; j < end; ++j)
+      for (int64_t b = 0; b < nb; ++b) {
+        const float* xb = x + (j * nb + b) * QK;
+        const __m512 x0 = _mm512_loadu_ps(xb), x1 = _mm512_loadu_ps(xb + 16);
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
+        const float d = amax / 127.f, id = d != 0.f ? 1.f / d : 0.f;
+        const __m512 idv = _mm512_set1_ps(id);
+        const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(x0, idv)), q1 = _mm512_cvtps_epi32(_mm512_mul_ps(x1, idv));
+        int8_t* qr = qp + j * groups * 128;
+        int8_t* first = HALVES<B> ? qr + (b / 4) * 128 + (b % 4) * 16 : qr + b * QK;
+        int8_t* second = HALVES<B> ? first + 64 : first + 16;
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(first), _mm512_cvtsepi32_epi8(q0));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(second), _mm512_cvtsepi32_epi8(q1));
+        const float dh = _cvtsh_ss(_cvtss_sh(d, _MM_FROUND_TO_NEAREST_INT));
+        std::fill_n(dp + (j * padded + b) * LANES<B>, LANES<B>, dh);
+        sp[j * padded + b] = dh * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1)));
+      }
+  });
+  return {qp, dp, sp, groups};
+}
+
+// out[j, i] = sum over blocks of row i of w against quantized row j, for R channels and M rows.
+template <int R, int M, typename B>
+void qblock(const B* w, int64_t ldw, const QuantizedRows& x, int64_t j0, const float* bias, float* out, int64_t ldo) {
+  __m512 acc[R][M];
+  for (int i = 0; i < R; ++i)
+    for (int j = 0; j < M; ++j) acc[i][j] = _mm512_setzero_ps();
+  const int64_t padded = x.groups * 4;
+  // A block's d_w over its lanes: within a group of 4 blocks (halves) lane l is block l / 4; q8_0's
+  // two vectors take blocks 0-1 and 2-3, lane l block l / 8.
+  const __m512i spread = HALVES<B> ? _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3)
+                                   : _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+  alignas(64) float d[R][CHUNK + 16], c[R][CHUNK + 16];  // rows of whole cache lines
+  static const NibbleIndex<B> nibble_index;
+  const __m512i index = nibble_index.index;
+  const int8_t* q_rows[M];
+  const float* dx_rows[M];
+  for (int j = 0; j < M; ++j) {
+    q_rows[j] = x.q_row(j0 + j);
+    dx_rows[j] = x.dx + (j0 + j) * padded * LANES<B>;
+  }
+  for (int64_t c0 = 0; c0 < ldw; c0 += CHUNK) {
+    const int chunk = static_cast<int>(std::min<int64_t>(CHUNK, ldw - c0));
+    for (int i = 0; i < R; ++i) {
+      for (int g = 0; g < chunk; g += SCALES) scales(w + i * ldw + c0 + g, std::min(SCALES, chunk - g), d[i] + g, c[i] + g);
+      // The offset's coefficient per block: -offset d_w, or q4_1's minimum as gathered.
+      for (int g = 0; g < chunk; g += SCALES) {
+        const __m512 dv = _mm512_load_ps(d[i] + g);
+        if constexpr (OFFSET<B> != 0) _mm512_store_ps(c[i] + g, _mm512_mul_ps(dv, _mm512_set1_ps(-static_cast<float>(OFFSET<B>))));
+      }
+    }
+    // One group of 4 blocks (the row's last may have fewer) against every row. The loops over
+    // channels and rows unroll, so that the accumulators stay in registers.
+    const auto group = [&](int k, int blocks) __attribute__((always_inline)) {
+      const int64_t b = c0 + k;
+#pragma GCC unroll 8
+      for (int i = 0; i < R; ++i) {
+        // Every cache line of the group PREFETCH tiles ahead: a weight out of cache (the lm_head)
+        // streams at memory speed only with each of its lines asked for early.
+        const char* ahead = reinterpret_cast<const char*>(w + (i + PREFETCH * R) * ldw + b);
+#pragma GCC unroll 4
+        for (int line = 0; line < 4 * static_cast<int>(sizeof(B)); line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
+        __m512i lo, hi;
+        unpack(w + i * ldw + b, blocks, lo, hi, index);
+        if constexpr (HALVES<B>) {
+          const __m512 dw = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(_mm_load_ps(d[i] + k)));
+#pragma GCC unroll 8
+          for (int j = 0; j < M; ++j) {
+            const int8_t* q = q_rows[j] + b * QK;
+            const __m512i s = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(q)),
+                                                  hi, _mm512_loadu_si512(q + 64));
+            const __m512 dx = _mm512_loadu_ps(dx_rows[j] + b * LANES<B>);
+            acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(dw, dx), acc[i][j]);
+          }
+        } else {
+          const __m512 dw01 = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(_mm_load_ps(d[i] + k)));
+          const __m512 dw23 = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(_mm_loadu_ps(d[i] + k + 2)));
+#pragma GCC unroll 8
+          for (int j = 0; j < M; ++j) {
+            const int8_t* q = q_rows[j] + b * QK;
+            const float* dx = dx_rows[j] + b * LANES<B>;
+            const __m512i s01 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(q));
+            const __m512i s23 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), hi, _mm512_loadu_si512(q + 64));
+            acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s01), _mm512_mul_ps(dw01, _mm512_loadu_ps(dx)), acc[i][j]);
+            acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s23), _mm512_mul_ps(dw23, _mm512_loadu_ps(dx + 16)), acc[i][j]);
+          }
+        }
+      }
+    };
+    const int whole = chunk / 4 * 4;
+    for (int k = 0; k < whole; k += 4) group(k, 4);
+    if (whole < chunk) group(whole, chunk - whole);
+    for (int g = 0; g < chunk; g += SCALES) {
+      const __mmask16 mask = first_lanes(chunk - g);
+      for (int j = 0; j < M; ++j) {
+        const __m512 sx = _mm512_maskz_loadu_ps(mask, x.sx + (j0 + j) * padded + c0 + g);
+        for (int i = 0; i < R; ++i) acc[i][j] = _mm512_fmadd_ps(_mm512_load_ps(c[i] + g), sx, acc[i][j]);
+      }
+    }
+  }
+  for (int i = 0; i < R; ++i)
+    for (int j = 0; j < M; ++j) out[j * ldo + i] = epilogue(_mm512_reduce_add_ps(acc[i][j]), nullptr, bias, i);
+}
+#endif
+
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 
 // AVX2 (16 vector registers of 8 lanes): the same products, 8 lanes at a time. The tiles are
@@ -420,50 +641,58 @@ void block(const B* w, int64_t ldw, const float* x, int64_t K, const float*, con
 
 #endif
 
-template <int R, int MR, typename W>
-void rows_block(const W* w, int64_t ldw, const float* x, int64_t K, const float* sums, int64_t m, const float* scale,
-                const float* bias, float* out, int64_t ldo) {
+// f(std::integral_constant<int, m>{}) for a tile's m <= MR rows: the row count as a template argument.
+template <int MR, typename F>
+void with_rows(int64_t m, F&& f) {
   switch (m) {
-    case 1: return block<R, 1>(w, ldw, x, K, sums, scale, bias, out, ldo);
-    case 2: return block<R, 2>(w, ldw, x, K, sums, scale, bias, out, ldo);
-    case 3: return block<R, 3>(w, ldw, x, K, sums, scale, bias, out, ldo);
-    case 4: return block<R, 4>(w, ldw, x, K, sums, scale, bias, out, ldo);
+    case 1: return f(std::integral_constant<int, 1>{});
+    case 2: return f(std::integral_constant<int, 2>{});
+    case 3: return f(std::integral_constant<int, 3>{});
+    case 4: return f(std::integral_constant<int, 4>{});
   }
   if constexpr (MR > 4) {
     switch (m) {
-      case 5: return block<R, 5>(w, ldw, x, K, sums, scale, bias, out, ldo);
-      case 6: return block<R, 6>(w, ldw, x, K, sums, scale, bias, out, ldo);
-      case 7: return block<R, 7>(w, ldw, x, K, sums, scale, bias, out, ldo);
-      default: return block<R, 8>(w, ldw, x, K, sums, scale, bias, out, ldo);
+      case 5: return f(std::integral_constant<int, 5>{});
+      case 6: return f(std::integral_constant<int, 6>{});
+      case 7: return f(std::integral_constant<int, 7>{});
+      default: return f(std::integral_constant<int, 8>{});
     }
   }
 }
 
 inline const float* at(const float* p, int64_t n) { return p ? p + n : nullptr; }
 
-// NR output channels against MR rows of x per tile, each weight widened once per tile; ldw: a weight
-// row's length in W (K, or K / 32 blocks).
-template <int64_t NR, int64_t MR, typename W>
-void tiles(const W* w, int64_t ldw, const float* x, int64_t M, int64_t N, int64_t K, const float* sums,
-           const float* scale, const float* bias, float* out) {
+// tile(r, n0, m0, m) over tiles of NR output channels (r = std::integral_constant<int, NR>, or <int, 1>
+// for each of the last N % NR channels) and MR rows of x (m of them): each weight is widened once
+// per tile, and each thread streams a contiguous run of channels; small matrices stay on one thread.
+template <int NR, int64_t MR, typename Tile>
+void tiles(int64_t M, int64_t N, int64_t K, Tile&& tile) {
   const int64_t blocks = (N + NR - 1) / NR;
-  // Each thread streams a contiguous run of output channels; small matrices stay on one thread.
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / (K * NR));
   at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b) {
       const int64_t n0 = b * NR;
       for (int64_t m0 = 0; m0 < M; m0 += MR) {
         const int64_t m = std::min(MR, M - m0);
-        const float* xm = x + m0 * K;
-        float* om = out + m0 * N + n0;
         if (n0 + NR <= N) {
-          rows_block<NR, MR>(w + n0 * ldw, ldw, xm, K, at(sums, m0 * ldw), m, at(scale, n0), at(bias, n0), om, N);
+          tile(std::integral_constant<int, NR>{}, n0, m0, m);
         } else {
-          for (int64_t n = n0; n < N; ++n)
-            rows_block<1, MR>(w + n * ldw, ldw, xm, K, at(sums, m0 * ldw), m, at(scale, n), at(bias, n), om + (n - n0), N);
+          for (int64_t n = n0; n < N; ++n) tile(std::integral_constant<int, 1>{}, n, m0, m);
         }
       }
     }
+  });
+}
+
+// The f32-activation product over NR x MR tiles; ldw: a weight row's length in W (K, or K / 32 blocks).
+template <int NR, int64_t MR, typename W>
+void f32_tiles(const W* w, int64_t ldw, const float* x, int64_t M, int64_t N, int64_t K, const float* sums,
+               const float* scale, const float* bias, float* out) {
+  tiles<NR, MR>(M, N, K, [&](auto r, int64_t n0, int64_t m0, int64_t m) {
+    with_rows<MR>(m, [&](auto rows) {
+      block<decltype(r)::value, decltype(rows)::value>(w + n0 * ldw, ldw, x + m0 * K, K, at(sums, m0 * ldw),
+                                                        at(scale, n0), at(bias, n0), out + m0 * N + n0, N);
+    });
   });
 }
 
@@ -491,13 +720,32 @@ void run(const W* w, int64_t ldw, const float* x, int64_t M, int64_t N, int64_t 
 #endif
 #if !defined(__AVX512F__) && defined(__AVX2__)
   // 16 registers: 4 channels x 1-2 rows, or 2 channels x 3-4 rows, or 1 channel x 8 rows of accumulators.
-  if (M <= 2) return tiles<4, 2>(w, ldw, x, M, N, K, sp, scale, bias, out);
-  if (M <= 4) return tiles<2, 4>(w, ldw, x, M, N, K, sp, scale, bias, out);
-  return tiles<1, 8>(w, ldw, x, M, N, K, sp, scale, bias, out);
+  if (M <= 2) return f32_tiles<4, 2>(w, ldw, x, M, N, K, sp, scale, bias, out);
+  if (M <= 4) return f32_tiles<2, 4>(w, ldw, x, M, N, K, sp, scale, bias, out);
+  return f32_tiles<1, 8>(w, ldw, x, M, N, K, sp, scale, bias, out);
 #endif
-  if (M <= 4) return tiles<4, 4>(w, ldw, x, M, N, K, sp, scale, bias, out);
-  tiles<2, 8>(w, ldw, x, M, N, K, sp, scale, bias, out);
+  if (M <= 4) return f32_tiles<4, 4>(w, ldw, x, M, N, K, sp, scale, bias, out);
+  f32_tiles<2, 8>(w, ldw, x, M, N, K, sp, scale, bias, out);
 }
+
+#ifdef TANDEM_Q8_ACTIVATIONS
+// The product with x quantized to 8 bits (qblock): 4 channels x up to 4 rows, 2 x 8 past that.
+template <typename B>
+void q8_run(const B* w, int64_t ldw, const float* x, int64_t M, int64_t N, int64_t K, const float* bias, float* out) {
+  const QuantizedRows q = quantize_rows<B>(x, M, ldw);
+  const auto run_tiles = [&](auto nr, auto mr) {
+    constexpr int NR = decltype(nr)::value;
+    constexpr int64_t MR = decltype(mr)::value;
+    tiles<NR, MR>(M, N, K, [&](auto r, int64_t n0, int64_t m0, int64_t m) {
+      with_rows<MR>(m, [&](auto rows) {
+        qblock<decltype(r)::value, decltype(rows)::value>(w + n0 * ldw, ldw, q, m0, at(bias, n0), out + m0 * N + n0, N);
+      });
+    });
+  };
+  if (M <= 4) return run_tiles(std::integral_constant<int, 4>{}, std::integral_constant<int64_t, 4>{});
+  run_tiles(std::integral_constant<int, 2>{}, std::integral_constant<int64_t, 8>{});
+}
+#endif
 
 // The bytes per block of a uint8 weight [N, K / 32 * bytes] read against K input features: the
 // row length tells the format apart (18 Q4_0, 20 Q4_1, 22 Q5_0, 34 Q8_0), see engine/ops/kernels.py.
@@ -548,8 +796,16 @@ at::Tensor dequantize_blocks(const at::Tensor& weight, int64_t K) {
   return out;
 }
 
+bool q8_activations_supported() {
+#ifdef TANDEM_Q8_ACTIVATIONS
+  return true;
+#else
+  return false;
+#endif
+}
+
 at::Tensor linear_rows(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& scale,
-                       const c10::optional<at::Tensor>& bias) {
+                       const c10::optional<at::Tensor>& bias, bool q8_activations) {
   const bool blocks = weight.scalar_type() == at::kByte;
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && (blocks || x.size(1) == weight.size(1)),
               "linear_rows: x [M, K] and weight [N, K] expected, got ", x.sizes(), " and ", weight.sizes());
@@ -572,7 +828,21 @@ at::Tensor linear_rows(const at::Tensor& x, const at::Tensor& weight, const c10:
     case at::kByte: {
       const uint8_t* wp = weight.data_ptr<uint8_t>();
       const int64_t nb = K / QK;
-      switch (block_bytes(weight, K, "linear_rows")) {
+      const int64_t bytes = block_bytes(weight, K, "linear_rows");
+      TORCH_CHECK(!q8_activations || q8_activations_supported(),
+                  "linear_rows: 8-bit activations need AVX-512 VNNI and VBMI, which this build lacks");
+#ifdef TANDEM_Q8_ACTIVATIONS
+      if (q8_activations) {
+        switch (bytes) {
+          case sizeof(BlockQ4_0): q8_run(reinterpret_cast<const BlockQ4_0*>(wp), nb, xp, M, N, K, bp, op); break;
+          case sizeof(BlockQ4_1): q8_run(reinterpret_cast<const BlockQ4_1*>(wp), nb, xp, M, N, K, bp, op); break;
+          case sizeof(BlockQ5_0): q8_run(reinterpret_cast<const BlockQ5_0*>(wp), nb, xp, M, N, K, bp, op); break;
+          default: q8_run(reinterpret_cast<const BlockQ8_0*>(wp), nb, xp, M, N, K, bp, op);
+        }
+        break;
+      }
+#endif
+      switch (bytes) {
         case sizeof(BlockQ4_0): run(reinterpret_cast<const BlockQ4_0*>(wp), nb, xp, M, N, K, sp, bp, op); break;
         case sizeof(BlockQ4_1): run(reinterpret_cast<const BlockQ4_1*>(wp), nb, xp, M, N, K, sp, bp, op); break;
         case sizeof(BlockQ5_0): run(reinterpret_cast<const BlockQ5_0*>(wp), nb, xp, M, N, K, sp, bp, op); break;
@@ -589,7 +859,8 @@ at::Tensor linear_rows(const at::Tensor& x, const at::Tensor& weight, const c10:
 }  // namespace tandem
 
 TORCH_LIBRARY_FRAGMENT(tandem, m) {
-  m.def("linear_rows(Tensor x, Tensor weight, Tensor? scale, Tensor? bias) -> Tensor");
+  m.def("linear_rows(Tensor x, Tensor weight, Tensor? scale, Tensor? bias, bool q8_activations=False) -> Tensor");
+  m.def("q8_activations_supported() -> bool", &tandem::q8_activations_supported);
   m.def("dequantize_blocks(Tensor weight, int cols) -> Tensor");
 }
 

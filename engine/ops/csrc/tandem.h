@@ -8,9 +8,12 @@
 namespace tandem {
 
 // x [M, K] @ weight [N, K]^T * scale [N] + bias [N] -> [M, N] in x's dtype; weight f32, bf16, int8, or
-// uint8 [N, K / 32 * B]: rows of GGUF blocks of B bytes (18 Q4_0, 20 Q4_1, 22 Q5_0, 34 Q8_0).
+// uint8 [N, K / 32 * B]: rows of GGUF blocks of B bytes (18 Q4_0, 20 Q4_1, 22 Q5_0, 34 Q8_0), which with
+// q8_activations multiply x quantized per block of 32 to 8 bits (where q8_activations_supported()).
 at::Tensor linear_rows(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& scale,
-                       const c10::optional<at::Tensor>& bias);
+                       const c10::optional<at::Tensor>& bias, bool q8_activations = false);
+// Whether this build (the CPU it was compiled for) has linear_rows' 8-bit activation path.
+bool q8_activations_supported();
 
 // uint8 blocks [N, K / 32 * B] as linear_rows reads them -> f32 [N, K].
 at::Tensor dequantize_blocks(const at::Tensor& weight, int64_t K);
