@@ -2,9 +2,10 @@
 q5_0, q8_0, engine/ops/blocks.py).
 
 int8 stores one scale per output channel and keeps activations in floating point: quantizing
-activations too loses far too much on small models (docs/architecture.md, "Weight formats"). The
-block formats keep activations in f32 as well: a block weight widens to the very number the f32
-path reads, so the product is the f32 path's up to summation order.
+activations too loses far too much on small models (docs/architecture.md, "Weight formats"). A
+block weight multiplies f32 activations, widened to the very number the f32 path reads (the
+product is the f32 path's up to summation order), or, with 8-bit activations (use_activations;
+--activations), activations quantized per block of 32 in integer dot products, as llama.cpp does.
 
 A step of a few rows (decode slots, verify tokens) is a matrix-vector product whose speed is how
 fast the weights stream from memory; tandem's own kernel (engine/ops/csrc/linear.cpp) widens each

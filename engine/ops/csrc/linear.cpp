@@ -306,52 +306,63 @@ template <typename B> constexpr int QS = offsetof(B, qs);  // where a block's ni
 template <typename B> constexpr bool HALVES = !std::is_same_v<B, BlockQ8_0>;
 template <typename B> constexpr int LANES = HALVES<B> ? 4 : 8;  // int32 lanes a block's sum spreads over
 
-// vpermt2b's index for 4 whole blocks read as two registers, bytes [0, 64) and [4 sizeof(B) - 64,
+// vpermt2b's indexes for 4 whole blocks read as two registers, bytes [0, 64) and [4 sizeof(B) - 64,
 // 4 sizeof(B)) of the group (the second ends at the group's end, so no load reaches past the
-// weight): byte 16t + j of the result is byte j of block t's nibbles.
+// weight). `nibbles`: byte 16t + j of the result is byte j of block t's nibbles. `fifths` (q5_0):
+// bytes 2t, 2t + 1 are the low half of block t's qh, bytes 8 + 2t, 9 + 2t its high half, so that
+// the result's two low words are the fifth bits of lo's and hi's 64 weights, bit k for byte k.
 template <typename B>
-struct NibbleIndex {
-  __m512i index;
-  NibbleIndex() {
-    alignas(64) uint8_t bytes[64];
-    constexpr int second = 4 * static_cast<int>(sizeof(B)) - 64;
+struct GroupIndex {
+  __m512i nibbles, fifths = _mm512_setzero_si512();
+  static constexpr int SECOND = 4 * static_cast<int>(sizeof(B)) - 64;
+  static uint8_t source(int at) { return static_cast<uint8_t>(at < 64 ? at : 64 + at - SECOND); }
+  GroupIndex() {
+    alignas(64) uint8_t bytes[64] = {};
     for (int t = 0; t < 4; ++t)
-      for (int j = 0; j < 16; ++j) {
-        const int at = t * static_cast<int>(sizeof(B)) + QS<B> + j;
-        bytes[16 * t + j] = static_cast<uint8_t>(at < 64 ? at : 64 + at - second);
-      }
-    index = _mm512_load_si512(bytes);
+      for (int j = 0; j < 16; ++j) bytes[16 * t + j] = source(t * static_cast<int>(sizeof(B)) + QS<B> + j);
+    nibbles = _mm512_load_si512(bytes);
+    if constexpr (std::is_same_v<B, BlockQ5_0>) {
+      for (int t = 0; t < 4; ++t)
+        for (int j = 0; j < 2; ++j) {
+          const int qh = t * static_cast<int>(sizeof(B)) + offsetof(BlockQ5_0, qh);
+          bytes[2 * t + j] = source(qh + j);
+          bytes[8 + 2 * t + j] = source(qh + 2 + j);
+        }
+      fifths = _mm512_load_si512(bytes);
+    }
   }
 };
 
-// The nibbles of `blocks` (at most 4) blocks from p, block t's in bytes 16t.., zero past them (unread).
+// A 4-bit or 5-bit group as lo and hi (HALVES): blocks < 4 only at a row's end, zero past them (unread).
 template <typename B>
-inline __m512i nibbles(const B* p, int blocks, const __m512i& index) {
+inline void unpack(const B* p, int blocks, __m512i& lo, __m512i& hi, const GroupIndex<B>& index) {
+  __m512i raw;
+  uint64_t below = 0, above = 0;  // q5_0's fifth bits of lo's and hi's bytes
   if (blocks == 4) {
     const uint8_t* bytes = reinterpret_cast<const uint8_t*>(p);
-    return _mm512_permutex2var_epi8(_mm512_loadu_si512(bytes), index, _mm512_loadu_si512(bytes + 4 * sizeof(B) - 64));
+    const __m512i a = _mm512_loadu_si512(bytes), b = _mm512_loadu_si512(bytes + GroupIndex<B>::SECOND);
+    raw = _mm512_permutex2var_epi8(a, index.nibbles, b);
+    if constexpr (std::is_same_v<B, BlockQ5_0>) {
+      const __m128i fifths = _mm512_castsi512_si128(_mm512_permutex2var_epi8(a, index.fifths, b));
+      below = static_cast<uint64_t>(_mm_cvtsi128_si64(fifths));
+      above = static_cast<uint64_t>(_mm_extract_epi64(fifths, 1));
+    }
+  } else {
+    raw = _mm512_setzero_si512();
+    for (int t = 0; t < blocks; ++t) {
+      raw = _mm512_mask_broadcast_i32x4(raw, static_cast<__mmask16>(0xF << (4 * t)),
+                                        _mm_loadu_si128(reinterpret_cast<const __m128i*>(p[t].qs)));
+      if constexpr (std::is_same_v<B, BlockQ5_0>) {
+        const uint32_t qh = high_bits(p[t]);
+        below |= static_cast<uint64_t>(qh & 0xFFFF) << (16 * t);
+        above |= static_cast<uint64_t>(qh >> 16) << (16 * t);
+      }
+    }
   }
-  __m512i raw = _mm512_setzero_si512();
-  for (int t = 0; t < blocks; ++t)
-    raw = _mm512_mask_broadcast_i32x4(raw, static_cast<__mmask16>(0xF << (4 * t)),
-                                      _mm_loadu_si128(reinterpret_cast<const __m128i*>(p[t].qs)));
-  return raw;
-}
-
-template <typename B>
-inline void unpack(const B* p, int blocks, __m512i& lo, __m512i& hi, const __m512i& index) {
-  const __m512i raw = nibbles(p, blocks, index);
   const __m512i lo4 = _mm512_set1_epi8(0x0F);
   lo = _mm512_and_si512(raw, lo4);
   hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), lo4);
   if constexpr (std::is_same_v<B, BlockQ5_0>) {
-    // The fifth bits: bits 0..15 of block t's qh belong to its weights 0..15, in lo's bytes 16t..
-    uint64_t below = 0, above = 0;
-    for (int t = 0; t < blocks; ++t) {
-      const uint32_t qh = high_bits(p[t]);
-      below |= static_cast<uint64_t>(qh & 0xFFFF) << (16 * t);
-      above |= static_cast<uint64_t>(qh >> 16) << (16 * t);
-    }
     const __m512i sixteen = _mm512_set1_epi8(16);
     lo = _mm512_mask_add_epi8(lo, below, lo, sixteen);
     hi = _mm512_mask_add_epi8(hi, above, hi, sixteen);
@@ -360,7 +371,7 @@ inline void unpack(const B* p, int blocks, __m512i& lo, __m512i& hi, const __m51
 
 // q8_0: blocks 0 and 1 of the group in `lo`, 2 and 3 in `hi`, each byte q + 128.
 template <>
-inline void unpack(const BlockQ8_0* p, int blocks, __m512i& lo, __m512i& hi, const __m512i&) {
+inline void unpack(const BlockQ8_0* p, int blocks, __m512i& lo, __m512i& hi, const GroupIndex<BlockQ8_0>&) {
   const auto two = [&](int t) {
     const int n = std::max(0, std::min(2, blocks - t));
     const __m256i first = n > 0 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p[t].qs)) : _mm256_setzero_si256();
@@ -427,8 +438,7 @@ void qblock(const B* w, int64_t ldw, const QuantizedRows& x, int64_t j0, const f
   const __m512i spread = HALVES<B> ? _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3)
                                    : _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
   alignas(64) float d[R][CHUNK + 16], c[R][CHUNK + 16];  // rows of whole cache lines
-  static const NibbleIndex<B> nibble_index;
-  const __m512i index = nibble_index.index;
+  static const GroupIndex<B> index;
   const int8_t* q_rows[M];
   const float* dx_rows[M];
   for (int j = 0; j < M; ++j) {
