@@ -6,8 +6,9 @@ measured as llama.cpp's llama-perplexity measures it, so that the two figures st
 
 The text is read in --chunks chunks of --ctx tokens, each a fresh context; the second half of each
 chunk is scored (llama-perplexity's rule: every scored token sees at least ctx/2 before it). Each
-system, DTYPE:ACTIVATIONS, reads the same tokens; the reference is f32:f32 (the file's blocks
-dequantized, f32 activations). Printed per system: perplexity, the mean KL divergence of each scored
+system, DTYPE:ACTIVATIONS, reads the same tokens, its weights loaded as the server loads them; the
+reference is f32:f32 (every tensor of the file dequantized exactly, f32 activations), so a block
+system's figures include what holding a K-quant in the nearest served block format costs. Printed per system: perplexity, the mean KL divergence of each scored
 position's next-token distribution from the reference's (KL(reference || system), as
 llama-perplexity --kl-divergence), and how often the two argmaxes agree.
 
@@ -32,7 +33,7 @@ from engine.files.weights import open_model
 from engine.model.batch import ForwardBatch, Row
 from engine.model.kv_cache import KVCache
 from engine.model.transformer import Transformer
-from engine.ops.quant import resolve_activations, use_activations
+from engine.ops.quant import keeps_blocks, resolve_activations, use_activations
 
 TEXT = Path("/usr/share/common-licenses/GPL-3")
 REFERENCE = "f32:f32"
@@ -79,10 +80,12 @@ def measure(model_name: str, systems: list[str], ctx: int, chunks: int, text: Pa
     files = open_model(model_name)
     ids = Tokenizer.load(files).encode(text.read_text())
     parts = chunks_of(ids, ctx, chunks)
-    tensors = files.load_tensors(keep_blocks=True)  # f32 systems widen them
     readings = {}
     for system in [REFERENCE, *[s for s in systems if s != REFERENCE]]:
         dtype, activations = system.split(":")
+        # As the server loads it: f32 reads the file's types dequantized exactly, a block dtype
+        # keeps blocks (a K-quant in the nearest block format the kernels read).
+        tensors = files.load_tensors(keep_blocks=keeps_blocks(dtype))
         model = Transformer(files.config, tensors, dtype, max_positions=ctx)
         use_activations(model, resolve_activations(activations, dtype))
         readings[system] = scored_logprobs(model, parts)
