@@ -299,12 +299,11 @@ template <> constexpr int OFFSET<BlockQ5_0> = 16;
 template <> constexpr int OFFSET<BlockQ8_0> = 128;
 template <typename B> constexpr int QS = offsetof(B, qs);  // where a block's nibbles (or bytes) start
 
-// The weights of a group of 4 blocks as vectors of u8 against which quantized activations are laid
-// out. The 4- and 5-bit formats go in halves: `lo` holds weights 0..15 of blocks 0..3 (16 bytes
-// each), `hi` their weights 16..31, so that the int32 lanes 4t..4t+3 of both products sum block t
-// and the two add up. q8_0 goes in block order, two blocks a vector (lanes 8t..8t+7 block t).
-template <typename B> constexpr bool HALVES = !std::is_same_v<B, BlockQ8_0>;
-template <typename B> constexpr int LANES = HALVES<B> ? 4 : 8;  // int32 lanes a block's sum spreads over
+// The weights of a group of 4 blocks as two vectors of u8, in halves: `lo` holds weights 0..15 of
+// blocks 0..3 (16 bytes each), `hi` their weights 16..31, and the quantized activations are laid
+// out to match, so that the int32 lanes 4t..4t+3 of both products sum block t and the two add up
+// before one conversion.
+constexpr int LANES = 4;  // int32 lanes a block's sum spreads over
 
 // vpermt2b's indexes for 4 whole blocks read as two registers, bytes [0, 64) and [4 sizeof(B) - 64,
 // 4 sizeof(B)) of the group (the second ends at the group's end, so no load reaches past the
@@ -333,7 +332,7 @@ struct GroupIndex {
   }
 };
 
-// A 4-bit or 5-bit group as lo and hi (HALVES): blocks < 4 only at a row's end, zero past them (unread).
+// A 4-bit or 5-bit group as lo and hi: blocks < 4 only at a row's end, zero past them (unread).
 template <typename B>
 inline void unpack(const B* p, int blocks, __m512i& lo, __m512i& hi, const GroupIndex<B>& index) {
   __m512i raw;
@@ -369,22 +368,45 @@ inline void unpack(const B* p, int blocks, __m512i& lo, __m512i& hi, const Group
   }
 }
 
-// q8_0: blocks 0 and 1 of the group in `lo`, 2 and 3 in `hi`, each byte q + 128.
+// q8_0's group spans 136 bytes, more than two registers: lo's bytes come from [0, 128), hi's from
+// [8, 136), each byte q + 128.
 template <>
-inline void unpack(const BlockQ8_0* p, int blocks, __m512i& lo, __m512i& hi, const GroupIndex<BlockQ8_0>&) {
-  const auto two = [&](int t) {
-    const int n = std::max(0, std::min(2, blocks - t));
-    const __m256i first = n > 0 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p[t].qs)) : _mm256_setzero_si256();
-    const __m256i second = n > 1 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p[t + 1].qs)) : _mm256_setzero_si256();
-    return _mm512_xor_si512(_mm512_inserti64x4(_mm512_castsi256_si512(first), second, 1), _mm512_set1_epi8(-128));
-  };
-  lo = two(0);
-  hi = two(2);
+struct GroupIndex<BlockQ8_0> {
+  __m512i first, second;
+  GroupIndex() {
+    alignas(64) uint8_t lo[64], hi[64];
+    for (int t = 0; t < 4; ++t)
+      for (int j = 0; j < 16; ++j) {
+        lo[16 * t + j] = static_cast<uint8_t>(t * sizeof(BlockQ8_0) + QS<BlockQ8_0> + j);
+        const int at = t * static_cast<int>(sizeof(BlockQ8_0)) + QS<BlockQ8_0> + 16 + j;
+        hi[16 * t + j] = static_cast<uint8_t>(at < 72 ? at - 8 : 64 + at - 72);
+      }
+    first = _mm512_load_si512(lo);
+    second = _mm512_load_si512(hi);
+  }
+};
+
+template <>
+inline void unpack(const BlockQ8_0* p, int blocks, __m512i& lo, __m512i& hi, const GroupIndex<BlockQ8_0>& index) {
+  if (blocks == 4) {
+    const uint8_t* bytes = reinterpret_cast<const uint8_t*>(p);
+    lo = _mm512_permutex2var_epi8(_mm512_loadu_si512(bytes), index.first, _mm512_loadu_si512(bytes + 64));
+    hi = _mm512_permutex2var_epi8(_mm512_loadu_si512(bytes + 8), index.second, _mm512_loadu_si512(bytes + 72));
+  } else {
+    lo = hi = _mm512_setzero_si512();
+    for (int t = 0; t < blocks; ++t) {
+      const __mmask16 lanes = static_cast<__mmask16>(0xF << (4 * t));
+      lo = _mm512_mask_broadcast_i32x4(lo, lanes, _mm_loadu_si128(reinterpret_cast<const __m128i*>(p[t].qs)));
+      hi = _mm512_mask_broadcast_i32x4(hi, lanes, _mm_loadu_si128(reinterpret_cast<const __m128i*>(p[t].qs + 16)));
+    }
+  }
+  const __m512i bias = _mm512_set1_epi8(-128);
+  lo = _mm512_xor_si512(lo, bias);
+  hi = _mm512_xor_si512(hi, bias);
 }
 
-// M rows of x quantized for weights of block type B: per row, G groups of 128 int8 in B's layout,
-// each block's d_x repeated over its LANES<B> lanes, and each block's d_x sum q_x; padded with
-// zeros to whole groups.
+// M rows of x quantized: per row, G groups of 128 int8 in halves, each block's d_x repeated over
+// its LANES lanes, and each block's d_x sum q_x; padded with zeros to whole groups.
 struct QuantizedRows {
   const int8_t* q;
   const float* dx;
@@ -393,13 +415,12 @@ struct QuantizedRows {
   const int8_t* q_row(int64_t j) const { return q + j * groups * 128; }
 };
 
-template <typename B>
 QuantizedRows quantize_rows(const float* x, int64_t M, int64_t nb) {
   thread_local std::vector<int8_t> q;
   thread_local std::vector<float> dx, sx;
   const int64_t groups = (nb + 3) / 4, padded = groups * 4;
   q.assign(M * groups * 128, 0);
-  dx.assign(M * padded * LANES<B>, 0.f);
+  dx.assign(M * padded * LANES, 0.f);
   sx.assign(M * padded, 0.f);
   // The buffers are this thread's: the workers below write through pointers, not their own copies.
   int8_t* qp = q.data();
@@ -414,12 +435,12 @@ QuantizedRows quantize_rows(const float* x, int64_t M, int64_t nb) {
         const __m512 idv = _mm512_set1_ps(id);
         const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(x0, idv)), q1 = _mm512_cvtps_epi32(_mm512_mul_ps(x1, idv));
         int8_t* qr = qp + j * groups * 128;
-        int8_t* first = HALVES<B> ? qr + (b / 4) * 128 + (b % 4) * 16 : qr + b * QK;
-        int8_t* second = HALVES<B> ? first + 64 : first + 16;
+        int8_t* first = qr + (b / 4) * 128 + (b % 4) * 16;
+        int8_t* second = first + 64;
         _mm_storeu_si128(reinterpret_cast<__m128i*>(first), _mm512_cvtsepi32_epi8(q0));
         _mm_storeu_si128(reinterpret_cast<__m128i*>(second), _mm512_cvtsepi32_epi8(q1));
         const float dh = _cvtsh_ss(_cvtss_sh(d, _MM_FROUND_TO_NEAREST_INT));
-        std::fill_n(dp + (j * padded + b) * LANES<B>, LANES<B>, dh);
+        std::fill_n(dp + (j * padded + b) * LANES, LANES, dh);
         sp[j * padded + b] = dh * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1)));
       }
   });
@@ -433,17 +454,15 @@ void qblock(const B* w, int64_t ldw, const QuantizedRows& x, int64_t j0, const f
   for (int i = 0; i < R; ++i)
     for (int j = 0; j < M; ++j) acc[i][j] = _mm512_setzero_ps();
   const int64_t padded = x.groups * 4;
-  // A block's d_w over its lanes: within a group of 4 blocks (halves) lane l is block l / 4; q8_0's
-  // two vectors take blocks 0-1 and 2-3, lane l block l / 8.
-  const __m512i spread = HALVES<B> ? _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3)
-                                   : _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+  // A block's d_w over its lanes: within a group of 4 blocks lane l is block l / 4.
+  const __m512i spread = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
   alignas(64) float d[R][CHUNK + 16], c[R][CHUNK + 16];  // rows of whole cache lines
   static const GroupIndex<B> index;
   const int8_t* q_rows[M];
   const float* dx_rows[M];
   for (int j = 0; j < M; ++j) {
     q_rows[j] = x.q_row(j0 + j);
-    dx_rows[j] = x.dx + (j0 + j) * padded * LANES<B>;
+    dx_rows[j] = x.dx + (j0 + j) * padded * LANES;
   }
   for (int64_t c0 = 0; c0 < ldw; c0 += CHUNK) {
     const int chunk = static_cast<int>(std::min<int64_t>(CHUNK, ldw - c0));
@@ -468,28 +487,14 @@ void qblock(const B* w, int64_t ldw, const QuantizedRows& x, int64_t j0, const f
         for (int line = 0; line < 4 * static_cast<int>(sizeof(B)); line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
         __m512i lo, hi;
         unpack(w + i * ldw + b, blocks, lo, hi, index);
-        if constexpr (HALVES<B>) {
-          const __m512 dw = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(_mm_load_ps(d[i] + k)));
+        const __m512 dw = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(_mm_load_ps(d[i] + k)));
 #pragma GCC unroll 8
-          for (int j = 0; j < M; ++j) {
-            const int8_t* q = q_rows[j] + b * QK;
-            const __m512i s = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(q)),
-                                                  hi, _mm512_loadu_si512(q + 64));
-            const __m512 dx = _mm512_loadu_ps(dx_rows[j] + b * LANES<B>);
-            acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(dw, dx), acc[i][j]);
-          }
-        } else {
-          const __m512 dw01 = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(_mm_load_ps(d[i] + k)));
-          const __m512 dw23 = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(_mm_loadu_ps(d[i] + k + 2)));
-#pragma GCC unroll 8
-          for (int j = 0; j < M; ++j) {
-            const int8_t* q = q_rows[j] + b * QK;
-            const float* dx = dx_rows[j] + b * LANES<B>;
-            const __m512i s01 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(q));
-            const __m512i s23 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), hi, _mm512_loadu_si512(q + 64));
-            acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s01), _mm512_mul_ps(dw01, _mm512_loadu_ps(dx)), acc[i][j]);
-            acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s23), _mm512_mul_ps(dw23, _mm512_loadu_ps(dx + 16)), acc[i][j]);
-          }
+        for (int j = 0; j < M; ++j) {
+          const int8_t* q = q_rows[j] + b * QK;
+          const __m512i s = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(q)),
+                                                hi, _mm512_loadu_si512(q + 64));
+          const __m512 dx = _mm512_loadu_ps(dx_rows[j] + b * LANES);
+          acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(dw, dx), acc[i][j]);
         }
       }
     };
@@ -742,7 +747,7 @@ void run(const W* w, int64_t ldw, const float* x, int64_t M, int64_t N, int64_t 
 // The product with x quantized to 8 bits (qblock): 4 channels x up to 4 rows, 2 x 8 past that.
 template <typename B>
 void q8_run(const B* w, int64_t ldw, const float* x, int64_t M, int64_t N, int64_t K, const float* bias, float* out) {
-  const QuantizedRows q = quantize_rows<B>(x, M, ldw);
+  const QuantizedRows q = quantize_rows(x, M, ldw);
   const auto run_tiles = [&](auto nr, auto mr) {
     constexpr int NR = decltype(nr)::value;
     constexpr int64_t MR = decltype(mr)::value;
@@ -752,6 +757,7 @@ void q8_run(const B* w, int64_t ldw, const float* x, int64_t M, int64_t N, int64
       });
     });
   };
+  if (M == 1) return run_tiles(std::integral_constant<int, 8>{}, std::integral_constant<int64_t, 1>{});
   if (M <= 4) return run_tiles(std::integral_constant<int, 4>{}, std::integral_constant<int64_t, 4>{});
   run_tiles(std::integral_constant<int, 2>{}, std::integral_constant<int64_t, 8>{});
 }
