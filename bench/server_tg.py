@@ -1,7 +1,7 @@
 """`python -m bench.server_tg`: TG of the engine alone vs through the HTTP server at batch 1, and the
 aggregate TG of 4 parallel streams vs 1, in alternating runs; prints medians.
 
-    python -m bench.server_tg [--runs 5] [--tokens 64] [--threads 2] [--dtype f32]
+    python -m bench.server_tg [-m default] [--runs 5] [--tokens 64] [--threads 2] [--dtype f32]
 
 Workload: prompt "Once upon a time" (as /v1/completions text), greedy, ignore_eos, fixed length.
 """
@@ -57,6 +57,7 @@ def http_tg(url: str, tokens: int, streams: int) -> tuple[float, float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(prog="python -m bench.server_tg", description=__doc__.split("\n\n")[0])
+    ap.add_argument("-m", "--model", default="default", help="as the server's -m")
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
@@ -66,10 +67,10 @@ def main() -> None:
 
     from engine import Engine, EngineConfig
     torch.set_num_threads(a.threads)
-    print(f"default model {a.dtype}, prompt {PROMPT!r}, {a.tokens} tokens, greedy, threads={a.threads}, runs={a.runs}")
-    engine = Engine.load(EngineConfig(model="default", ctx_size=2048, parallel=1, threads=a.threads, dtype=a.dtype))
+    print(f"model {a.model} {a.dtype}, prompt {PROMPT!r}, {a.tokens} tokens, greedy, threads={a.threads}, runs={a.runs}")
+    engine = Engine.load(EngineConfig(model=a.model, ctx_size=2048, parallel=1, threads=a.threads, dtype=a.dtype))
     logs = Path(tempfile.mkdtemp())
-    flags = ["-m", "default", "-t", str(a.threads), "--dtype", a.dtype, "--spec-type", "none"]  # as the engine
+    flags = ["-m", a.model, "-t", str(a.threads), "--dtype", a.dtype, "--spec-type", "none"]  # as the engine
     one = ServerProcess([*flags, "-np", "1", "-c", "2048"], logs / "np1.log")
     four = ServerProcess([*flags, "-np", "4", "-c", "8192"], logs / "np4.log")
     try:

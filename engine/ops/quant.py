@@ -127,6 +127,9 @@ def resolve_activations(choice: str, dtype: str) -> str:
     q8 where the weights are blocks and the kernels have the 8-bit path, f32 elsewhere."""
     if choice == "auto":
         return "q8" if keeps_blocks(dtype) and kernels.q8_activations_supported() else "f32"
+    if choice == "q8" and not kernels.q8_activations_supported():  # the CPU has them, the build does not
+        log.warning("--activations q8: tandem's kernels are not built with their 8-bit path here; f32 instead")
+        return "f32"
     return choice
 
 
