@@ -739,6 +739,7 @@ void run(const W* w, int64_t ldw, const float* x, int64_t M, int64_t N, int64_t 
   if (M <= 4) return f32_tiles<2, 4>(w, ldw, x, M, N, K, sp, scale, bias, out);
   return f32_tiles<1, 8>(w, ldw, x, M, N, K, sp, scale, bias, out);
 #endif
+  if (M == 1) return f32_tiles<8, 1>(w, ldw, x, M, N, K, sp, scale, bias, out);
   if (M <= 4) return f32_tiles<4, 4>(w, ldw, x, M, N, K, sp, scale, bias, out);
   f32_tiles<2, 8>(w, ldw, x, M, N, K, sp, scale, bias, out);
 }
