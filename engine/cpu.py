@@ -13,19 +13,30 @@ Q8_ACTIVATION_FLAGS = ("avx512f", "avx512bw", "avx512_vnni", "avx512vbmi")
 
 
 @functools.cache
-def flags_line() -> str:
-    """The first `flags` line of /proc/cpuinfo (the processor's name where there is none)."""
+def _first_processor() -> dict[str, str]:
+    """The first processor's fields in /proc/cpuinfo (`flags`, `model name`, `cpu family`, ...); none
+    where there is no such file."""
+    fields: dict[str, str] = {}
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
+            key, sep, value = line.partition(":")
+            if not sep:
+                if fields:  # the blank line after the first processor
+                    break
+                continue
+            fields.setdefault(key.strip(), value.strip())
     except OSError:
         pass
-    return platform.processor()
+    return fields
+
+
+def flags() -> str:
+    """The first processor's flags, space-separated (the processor's name where /proc/cpuinfo has none)."""
+    return _first_processor().get("flags") or platform.processor()
 
 
 def has_q8_activations() -> bool:
-    return set(Q8_ACTIVATION_FLAGS) <= set(flags_line().split())
+    return set(Q8_ACTIVATION_FLAGS) <= set(flags().split())
 
 
 # The flags that decide which kernels a host runs (and llama.cpp's): named beside every benchmark figure.
@@ -33,31 +44,13 @@ SPEED_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512vbmi", "avx512_bf16", "a
                "amx_bf16")
 
 
-@functools.cache
-def model_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
-
-
 def describe() -> str:
     """The CPU's name and its speed-relevant flags, e.g. `AMD EPYC (family 26 model 2), 2 CPUs: avx2
     avx512f avx512_vnni ...`: a benchmark table's first line."""
-    family = model = None
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "cpu family" and family is None:
-                family = value.strip()
-            elif key.strip() == "model" and model is None:
-                model = value.strip()
-    except OSError:
-        pass
-    have = set(flags_line().split())
+    fields = _first_processor()
+    name = fields.get("model name") or platform.processor() or "unknown CPU"
+    family, model = fields.get("cpu family"), fields.get("model")
     where = f" (family {family} model {model})" if family and model else ""
+    have = set(flags().split())
     flags = " ".join(f for f in SPEED_FLAGS if f in have) or "no AVX2"
-    return f"{model_name()}{where}, {len(os.sched_getaffinity(0))} CPUs: {flags}"
+    return f"{name}{where}, {len(os.sched_getaffinity(0))} CPUs: {flags}"

@@ -74,10 +74,9 @@ def load_parts(config: EngineConfig, headers: Headers, rank: Rank | None, descri
                                config.ctx_per_slot, headers.draft_ratios, placement.draft_device,
                                model.embed_tokens if here else None, model.head_logits)
     del tensors
+    resident = drafter.resident() if drafter is not None else None  # a draft model and its cache
     activations = resolve_activations(config.activations, config.dtype)
-    q8_layers = use_activations(model, activations)
-    if drafter is not None and drafter.resident() is not None:
-        q8_layers += use_activations(drafter.resident()[0], activations)
+    q8_layers = use_activations(model, activations) + (use_activations(resident[0], activations) if resident else 0)
     log.info("loaded %s (%s, %s) in %.1f s", files.path, mc.family, config.dtype, time.perf_counter() - t0)
     log.info("activations: %s", f"8-bit for {q8_layers} block-weight layers (AVX-512 VNNI)" if q8_layers
              else "f32")
@@ -88,7 +87,6 @@ def load_parts(config: EngineConfig, headers: Headers, rank: Rank | None, descri
         else f"{config.parallel} slots x {config.ctx_per_slot} ctx"
     log.info("KV cache: %s", describe_cache(model.specs, slots, cache.nbytes, cache.kpool_nbytes,
                                             cache.recurrent_nbytes, config.state_steps))
-    resident = drafter.resident() if drafter is not None else None
     if resident is not None:  # a draft model, placed on its device
         devices = measure(model, cache, placement.draft_device, *resident)
     else:

@@ -20,7 +20,7 @@ DTYPES = ("f32", "bf16", "int8", "q4_0", "q4_1", "q5_0", "q8_0", "auto")
 # What block weights multiply: f32 activations, or activations quantized to 8 bits per block of 32
 # (integer dot products, AVX-512 VNNI); auto: q8 where the CPU has it (docs/architecture.md, "Weight formats").
 ACTIVATIONS = ("auto", "f32", "q8")
-BLOCK_DTYPES = ("q4_0", "q4_1", "q5_0", "q8_0", "auto")
+BLOCK_DTYPES = ("q4_0", "q4_1", "q5_0", "q8_0", "auto")  # those that keep a file's blocks (engine/ops/quant.py)
 KV_CACHE_TYPES = ("f32", "f16", "bf16", "q8_0")
 # Positions per page of a unified KV pool (--kv-unified).
 PAGE_SIZE = 16

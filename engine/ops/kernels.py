@@ -25,7 +25,7 @@ def _build_name() -> str:
     # -march=native code must not be reused on another CPU: the CPU's flags are part of the name.
     # So is the sources' folder: torch's build files name the sources by path, so two checkouts
     # sharing one build would each rebuild it whenever the other had built last.
-    digest = hashlib.sha256(cpu.flags_line().encode() + str(CSRC.resolve()).encode())
+    digest = hashlib.sha256(cpu.flags().encode() + str(CSRC.resolve()).encode())
     for source in sorted(CSRC.glob("*.[ch]*")):  # the header too: every source includes it
         digest.update(source.read_bytes())
     return f"tandem_kernels_{digest.hexdigest()[:12]}"

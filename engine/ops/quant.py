@@ -23,6 +23,7 @@ from torch import nn
 
 from engine.ops import blocks, kernels
 from engine.ops.blocks import BlockTensor
+from engine.settings import BLOCK_DTYPES
 
 log = logging.getLogger("tandem.quant")
 
@@ -60,7 +61,7 @@ def stored_format(weight: torch.Tensor | BlockTensor, dtype: str) -> str:
 
 def keeps_blocks(dtype: str) -> bool:
     """Whether a model loads its GGUF blocks as they are under `dtype` (the formats that serve them)."""
-    return dtype == "auto" or dtype in blocks.FORMATS
+    return dtype in BLOCK_DTYPES
 
 
 class Linear(nn.Module):

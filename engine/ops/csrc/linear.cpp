@@ -466,14 +466,13 @@ void qblock(const B* w, int64_t ldw, const QuantizedRows& x, int64_t j0, const f
   }
   for (int64_t c0 = 0; c0 < ldw; c0 += CHUNK) {
     const int chunk = static_cast<int>(std::min<int64_t>(CHUNK, ldw - c0));
-    for (int i = 0; i < R; ++i) {
-      for (int g = 0; g < chunk; g += SCALES) scales(w + i * ldw + c0 + g, std::min(SCALES, chunk - g), d[i] + g, c[i] + g);
-      // The offset's coefficient per block: -offset d_w, or q4_1's minimum as gathered.
+    // Each block's d_w, and its offset's coefficient: -offset d_w, or q4_1's minimum as gathered.
+    for (int i = 0; i < R; ++i)
       for (int g = 0; g < chunk; g += SCALES) {
-        const __m512 dv = _mm512_load_ps(d[i] + g);
-        if constexpr (OFFSET<B> != 0) _mm512_store_ps(c[i] + g, _mm512_mul_ps(dv, _mm512_set1_ps(-static_cast<float>(OFFSET<B>))));
+        scales(w + i * ldw + c0 + g, std::min(SCALES, chunk - g), d[i] + g, c[i] + g);
+        if constexpr (OFFSET<B> != 0)
+          _mm512_store_ps(c[i] + g, _mm512_mul_ps(_mm512_load_ps(d[i] + g), _mm512_set1_ps(-static_cast<float>(OFFSET<B>))));
       }
-    }
     // One group of 4 blocks (the row's last may have fewer) against every row. The loops over
     // channels and rows unroll, so that the accumulators stay in registers.
     const auto group = [&](int k, int blocks) __attribute__((always_inline)) {
@@ -711,9 +710,18 @@ void f32_tiles(const W* w, int64_t ldw, const float* x, int64_t M, int64_t N, in
   });
 }
 
-// Up to 4 rows: 4 channels x 4 rows of accumulators. More rows (a verify block of several slots, a
-// short prompt chunk): 2 channels x 8 rows, so that 8 rows read the weights once, not twice, in the
-// same 16 accumulator registers. Each output is the same sum in the same order either way.
+// f(nr, mr) with AVX-512's tile for M rows (std::integral_constants): a lone row (decode) 8
+// channels, so that more independent sums are in flight; up to 4 rows 4 channels x 4 rows of
+// accumulators; more rows (a verify block of several slots, a prompt chunk) 2 channels x 8 rows, so
+// that 8 rows read the weights once, not twice, in the same 16 accumulator registers. Each output is
+// the same sum in the same order whichever tile holds it.
+template <typename F>
+void with_tile(int64_t M, F&& f) {
+  if (M == 1) return f(std::integral_constant<int, 8>{}, std::integral_constant<int64_t, 1>{});
+  if (M <= 4) return f(std::integral_constant<int, 4>{}, std::integral_constant<int64_t, 4>{});
+  f(std::integral_constant<int, 2>{}, std::integral_constant<int64_t, 8>{});
+}
+
 template <typename W>
 void run(const W* w, int64_t ldw, const float* x, int64_t M, int64_t N, int64_t K, const float* scale,
          const float* bias, float* out) {
@@ -739,28 +747,24 @@ void run(const W* w, int64_t ldw, const float* x, int64_t M, int64_t N, int64_t 
   if (M <= 4) return f32_tiles<2, 4>(w, ldw, x, M, N, K, sp, scale, bias, out);
   return f32_tiles<1, 8>(w, ldw, x, M, N, K, sp, scale, bias, out);
 #endif
-  if (M == 1) return f32_tiles<8, 1>(w, ldw, x, M, N, K, sp, scale, bias, out);
-  if (M <= 4) return f32_tiles<4, 4>(w, ldw, x, M, N, K, sp, scale, bias, out);
-  f32_tiles<2, 8>(w, ldw, x, M, N, K, sp, scale, bias, out);
+  with_tile(M, [&](auto nr, auto mr) {
+    f32_tiles<decltype(nr)::value, decltype(mr)::value>(w, ldw, x, M, N, K, sp, scale, bias, out);
+  });
 }
 
 #ifdef TANDEM_Q8_ACTIVATIONS
-// The product with x quantized to 8 bits (qblock): 4 channels x up to 4 rows, 2 x 8 past that.
+// The product with x quantized to 8 bits (qblock), in the f32 path's tiles.
 template <typename B>
 void q8_run(const B* w, int64_t ldw, const float* x, int64_t M, int64_t N, int64_t K, const float* bias, float* out) {
   const QuantizedRows q = quantize_rows(x, M, ldw);
-  const auto run_tiles = [&](auto nr, auto mr) {
-    constexpr int NR = decltype(nr)::value;
+  with_tile(M, [&](auto nr, auto mr) {
     constexpr int64_t MR = decltype(mr)::value;
-    tiles<NR, MR>(M, N, K, [&](auto r, int64_t n0, int64_t m0, int64_t m) {
+    tiles<decltype(nr)::value, MR>(M, N, K, [&](auto r, int64_t n0, int64_t m0, int64_t m) {
       with_rows<MR>(m, [&](auto rows) {
         qblock<decltype(r)::value, decltype(rows)::value>(w + n0 * ldw, ldw, q, m0, at(bias, n0), out + m0 * N + n0, N);
       });
     });
-  };
-  if (M == 1) return run_tiles(std::integral_constant<int, 8>{}, std::integral_constant<int64_t, 1>{});
-  if (M <= 4) return run_tiles(std::integral_constant<int, 4>{}, std::integral_constant<int64_t, 4>{});
-  run_tiles(std::integral_constant<int, 2>{}, std::integral_constant<int64_t, 8>{});
+  });
 }
 #endif
 
@@ -773,6 +777,17 @@ int64_t block_bytes(const at::Tensor& weight, int64_t K, const char* op) {
               op, ": a uint8 weight holds rows of 32-weight blocks (18, 20, 22 or 34 bytes each) for K a multiple of 32; "
               "got rows of ", row, " bytes for K = ", K);
   return row / (K / QK);
+}
+
+// f(w as the block type whose size is `bytes`, one of block_bytes' answers).
+template <typename F>
+void with_blocks(int64_t bytes, const uint8_t* w, F&& f) {
+  switch (bytes) {
+    case sizeof(BlockQ4_0): return f(reinterpret_cast<const BlockQ4_0*>(w));
+    case sizeof(BlockQ4_1): return f(reinterpret_cast<const BlockQ4_1*>(w));
+    case sizeof(BlockQ5_0): return f(reinterpret_cast<const BlockQ5_0*>(w));
+    default: return f(reinterpret_cast<const BlockQ8_0*>(w));
+  }
 }
 
 template <typename B>
@@ -802,14 +817,8 @@ at::Tensor dequantize_blocks(const at::Tensor& weight, int64_t K) {
   const int64_t N = weight.size(0), nb = K / QK;
   const int64_t bytes = block_bytes(weight, K, "dequantize_blocks");
   at::Tensor out = at::empty({N, K}, weight.options().dtype(at::kFloat));
-  const uint8_t* wp = weight.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
-  switch (bytes) {
-    case sizeof(BlockQ4_0): dequantize_rows(reinterpret_cast<const BlockQ4_0*>(wp), N, nb, op); break;
-    case sizeof(BlockQ4_1): dequantize_rows(reinterpret_cast<const BlockQ4_1*>(wp), N, nb, op); break;
-    case sizeof(BlockQ5_0): dequantize_rows(reinterpret_cast<const BlockQ5_0*>(wp), N, nb, op); break;
-    default: dequantize_rows(reinterpret_cast<const BlockQ8_0*>(wp), N, nb, op);
-  }
+  with_blocks(bytes, weight.data_ptr<uint8_t>(), [&](auto w) { dequantize_rows(w, N, nb, op); });
   return out;
 }
 
@@ -848,23 +857,12 @@ at::Tensor linear_rows(const at::Tensor& x, const at::Tensor& weight, const c10:
       const int64_t bytes = block_bytes(weight, K, "linear_rows");
       TORCH_CHECK(!q8_activations || q8_activations_supported(),
                   "linear_rows: 8-bit activations need AVX-512 VNNI and VBMI, which this build lacks");
+      with_blocks(bytes, wp, [&](auto w) {
 #ifdef TANDEM_Q8_ACTIVATIONS
-      if (q8_activations) {
-        switch (bytes) {
-          case sizeof(BlockQ4_0): q8_run(reinterpret_cast<const BlockQ4_0*>(wp), nb, xp, M, N, K, bp, op); break;
-          case sizeof(BlockQ4_1): q8_run(reinterpret_cast<const BlockQ4_1*>(wp), nb, xp, M, N, K, bp, op); break;
-          case sizeof(BlockQ5_0): q8_run(reinterpret_cast<const BlockQ5_0*>(wp), nb, xp, M, N, K, bp, op); break;
-          default: q8_run(reinterpret_cast<const BlockQ8_0*>(wp), nb, xp, M, N, K, bp, op);
-        }
-        break;
-      }
+        if (q8_activations) return q8_run(w, nb, xp, M, N, K, bp, op);
 #endif
-      switch (bytes) {
-        case sizeof(BlockQ4_0): run(reinterpret_cast<const BlockQ4_0*>(wp), nb, xp, M, N, K, sp, bp, op); break;
-        case sizeof(BlockQ4_1): run(reinterpret_cast<const BlockQ4_1*>(wp), nb, xp, M, N, K, sp, bp, op); break;
-        case sizeof(BlockQ5_0): run(reinterpret_cast<const BlockQ5_0*>(wp), nb, xp, M, N, K, sp, bp, op); break;
-        default: run(reinterpret_cast<const BlockQ8_0*>(wp), nb, xp, M, N, K, sp, bp, op);
-      }
+        run(w, nb, xp, M, N, K, sp, bp, op);
+      });
       break;
     }
     default:
