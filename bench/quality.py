@@ -12,7 +12,7 @@ system's figures include what holding a K-quant in the nearest served block form
 position's next-token distribution from the reference's (KL(reference || system), as
 llama-perplexity --kl-divergence), and how often the two argmaxes agree.
 
---llama-bin DIR (the folder of llama.cpp's tools, ../shared/tools/llama-server's build): also
+--llama-bin DIR (the folder of llama.cpp's tools, built as docs/benchmarks.md "The anchor" says): also
 llama-perplexity on the same file, text, --ctx and --chunks, its KL against an F32 copy of the file
 that llama-quantize makes (--allow-requantize F32): llama.cpp's own figure for its own activations.
 """
