@@ -52,5 +52,5 @@ def describe() -> str:
     family, model = fields.get("cpu family"), fields.get("model")
     where = f" (family {family} model {model})" if family and model else ""
     have = set(flags().split())
-    flags = " ".join(f for f in SPEED_FLAGS if f in have) or "no AVX2"
-    return f"{name}{where}, {len(os.sched_getaffinity(0))} CPUs: {flags}"
+    speed = " ".join(f for f in SPEED_FLAGS if f in have) or "no AVX2"
+    return f"{name}{where}, {len(os.sched_getaffinity(0))} CPUs: {speed}"
