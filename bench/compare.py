@@ -176,8 +176,8 @@ def main(argv: list[str] | None = None) -> int:
     results = run(systems, pp_ids, prompts, args.tg, args.runs, log=lambda line: print(line, flush=True))
     print(f"\nmedians, {cpu.describe()}:\n" + table(results, [TransformersSystem.NAME, LLAMA_CPP]))
     print(f"\nmemory bandwidth (1 GiB copy, {threads} threads): {bandwidth / 1e9:.1f} GB/s")
-    for dtype, per_weight in BYTES_PER_WEIGHT.items():
-        nbytes = num_param_bytes(files.config, per_weight)
+    for dtype in (d for d in DTYPES if d != "auto"):
+        nbytes = num_param_bytes(files.config, BYTES_PER_WEIGHT[dtype])
         print(f"TG ceiling at batch 1, {dtype} weights ({nbytes / 1e6:.0f} MB per token): "
               f"{bandwidth / nbytes:.1f} tok/s")
     lengths = {r.system: statistics.median(r.accept_length) for r in results if r.accept_length and " + " in r.system}

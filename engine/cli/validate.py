@@ -15,7 +15,7 @@ from engine.files.weights import ModelFiles, open_model
 from engine.model.kv_cache import KV_BYTES_PER_VALUE, KV_DTYPES
 from engine.files.nearest_format import served, served_bytes
 from engine.ops.quant import BYTES_PER_WEIGHT, FormatUse, describe_formats, tally
-from engine.settings import CompressRatios
+from engine.settings import DTYPES, CompressRatios
 
 
 def _size(n: float) -> str:
@@ -104,7 +104,7 @@ def summary(path: str, ratios: CompressRatios | None = None, budget: int | None 
         f"context:      {c.max_position_embeddings}",
         *_hybrid_lines(files, c),
         f"parameters:   {params / 1e6:.1f} M",
-        "weights:      " + ", ".join(f"{d} {_size(params * b)}" for d, b in BYTES_PER_WEIGHT.items()),
+        "weights:      " + ", ".join(f"{d} {_size(params * BYTES_PER_WEIGHT[d])}" for d in DTYPES if d != "auto"),
         "weights as stored (--dtype auto): " + describe_formats(stored_formats(files)),
     ]
     if any(c.layer_ratios):

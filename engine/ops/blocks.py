@@ -1,18 +1,26 @@
-"""GGUF's block formats Q4_0, Q4_1, Q5_0 and Q8_0: weights as the file stores them.
+"""GGUF's block formats: weights as the file stores them.
 
 Each row of a weight [N, K] is K / 32 blocks of 32 consecutive input weights, one after another
 (GGUF's layout, little-endian), so a row's bytes are K / 32 * BLOCK_BYTES[format]:
 
-    q8_0  34 bytes: f16 d, 32 x int8 q                      w = d * q
-    q4_0  18 bytes: f16 d, 16 bytes of 4-bit q              w = d * (q - 8)
-    q4_1  20 bytes: f16 d, f16 m, 16 bytes of 4-bit q       w = d * q + m
-    q5_0  22 bytes: f16 d, 4 bytes qh, 16 bytes of 4-bit q  w = d * (q - 16)
+    q8_0  34 bytes: f16 d, 32 x int8 q                             w = d * q
+    q4_0  18 bytes: f16 d, 16 bytes of 4-bit q                     w = d * (q - 8)
+    q4_1  20 bytes: f16 d, f16 m, 16 bytes of 4-bit q              w = d * q + m
+    q5_0  22 bytes: f16 d, 4 bytes qh, 16 bytes of 4-bit q         w = d * (q - 16)
+    q5_1  24 bytes: f16 d, f16 m, 4 bytes qh, 16 bytes of 4-bit q  w = d * q + m
 
-In a 4-bit block byte j holds weight j in its low nibble and weight j + 16 in its high one; a q5_0
+In a 4-bit block byte j holds weight j in its low nibble and weight j + 16 in its high one; a 5-bit
 weight's fifth bit is bit j of qh (a little-endian 32-bit word) for weight j.
+
+The K-quants hold rows of super-blocks of 256 weights (SUPER_BYTES; the kernels read them as
+[N, K / 256, bytes], kernel_view): q4_k and q5_k 8 sub-blocks of 32, w = d * sc_j * q - dmin * m_j
+with 6-bit sc_j, m_j (q5_k: a fifth bit per weight); q6_k 16 sub-blocks of 16, w = d * sc_j * (q - 32)
+with int8 sc_j (engine/ops/csrc/kquants.cpp has the byte layouts).
+
 `dequantize` computes w exactly as llama.cpp (and the gguf package) do, in f32, so a block weight
 widened in tandem's kernels is the same number the f32 path reads. `quantize` is llama.cpp's
-reference quantizer (ggml-quants.c, quantize_row_*_ref), written from its definition.
+reference quantizer (ggml-quants.c, quantize_row_*_ref), written from its definition, for the
+formats tandem quantizes to (FORMATS, the --dtype choices); the others are read as files hold them.
 """
 from __future__ import annotations
 
@@ -25,10 +33,14 @@ import torch
 log = logging.getLogger("tandem.blocks")
 
 BLOCK = 32  # weights per block, along the input dimension
-BLOCK_BYTES = {"q4_0": 18, "q4_1": 20, "q5_0": 22, "q8_0": 34}
-FORMATS = tuple(BLOCK_BYTES)
+BLOCK_BYTES = {"q4_0": 18, "q4_1": 20, "q5_0": 22, "q5_1": 24, "q8_0": 34}
+SUPER_BLOCK = 256  # weights per K-quant super-block
+SUPER_BYTES = {"q4_k": 144, "q5_k": 176, "q6_k": 210}
+FORMATS = ("q4_0", "q4_1", "q5_0", "q8_0")  # those tandem quantizes weights to
+SERVED = (*BLOCK_BYTES, *SUPER_BYTES)  # every block format the kernels read as stored
 # GGUF's tensor type numbers (ggml_type) of the block formats.
-GGUF_TYPES = {2: "q4_0", 3: "q4_1", 6: "q5_0", 8: "q8_0"}
+GGUF_TYPES = {2: "q4_0", 3: "q4_1", 6: "q5_0", 7: "q5_1", 8: "q8_0", 12: "q4_k", 13: "q5_k", 14: "q6_k"}
+_GGUF_TYPE_OF = {fmt: kind for kind, fmt in GGUF_TYPES.items()}
 # GGUF's unquantized types: a matrix in one of these is f32 under "auto", as chosen, not a fallback.
 GGUF_PLAIN_TYPES = {0: "F32", 1: "F16", 30: "BF16"}
 
@@ -56,13 +68,28 @@ def fits(weight_shape: tuple[int, ...]) -> bool:
     return len(weight_shape) == 2 and weight_shape[1] % BLOCK == 0
 
 
+def bytes_per_weight(fmt: str) -> float:
+    return SUPER_BYTES[fmt] / SUPER_BLOCK if fmt in SUPER_BYTES else BLOCK_BYTES[fmt] / BLOCK
+
+
+def kernel_view(data: torch.Tensor, fmt: str, cols: int) -> torch.Tensor:
+    """Block rows [N, bytes] as the kernels take them: a K-quant's [N, cols / 256, super-block bytes],
+    the others' as they are (engine/ops/csrc/tandem.h: the shape names the format)."""
+    return data.view(data.shape[0], cols // SUPER_BLOCK, SUPER_BYTES[fmt]) if fmt in SUPER_BYTES else data
+
+
 def _f16(raw: torch.Tensor) -> torch.Tensor:
     """[..., 2] uint8 -> [..., 1] f32."""
     return raw.contiguous().view(torch.float16).float()
 
 
 def dequantize(data: torch.Tensor, fmt: str, cols: int) -> torch.Tensor:
-    """uint8 [rows, cols / 32 * BLOCK_BYTES[fmt]] -> f32 [rows, cols]."""
+    """uint8 block rows [rows, ...] (as stored, or kernel_view's) -> f32 [rows, cols] on data's device."""
+    if fmt not in FORMATS:  # read only: the gguf package's dequantization, llama.cpp's numbers
+        import gguf
+        rows = data.shape[0]
+        w = gguf.quants.dequantize(data.reshape(rows, -1).cpu().numpy(), _GGUF_TYPE_OF[fmt]).reshape(rows, cols)
+        return torch.from_numpy(w).to(data.device)
     b = data.view(data.shape[0], cols // BLOCK, BLOCK_BYTES[fmt])
     d = _f16(b[..., :2])
     if fmt == "q8_0":

@@ -1,5 +1,5 @@
 """Weight formats for linear layers: f32, bf16, weight-only int8, and GGUF's blocks (q4_0, q4_1,
-q5_0, q8_0, engine/ops/blocks.py).
+q5_0, q8_0, and as files hold them q5_1 and the K-quants q4_k, q5_k, q6_k: engine/ops/blocks.py).
 
 int8 stores one scale per output channel and keeps activations in floating point: quantizing
 activations too loses far too much on small models (docs/architecture.md, "Weight formats"). A
@@ -27,12 +27,12 @@ from engine.settings import BLOCK_DTYPES
 
 log = logging.getLogger("tandem.quant")
 
-TORCH_DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "int8": torch.float32, "q4_0": torch.float32,
-                "q4_1": torch.float32, "q5_0": torch.float32, "q8_0": torch.float32, "auto": torch.float32}
+TORCH_DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "int8": torch.float32, "auto": torch.float32,
+                **{f: torch.float32 for f in blocks.SERVED}}
 # Bytes per weight of each format a tensor can be stored in ("auto" is a choice among them).
-BYTES_PER_WEIGHT = {"f32": 4, "bf16": 2, "int8": 1, **{f: b / blocks.BLOCK for f, b in blocks.BLOCK_BYTES.items()}}
+BYTES_PER_WEIGHT = {"f32": 4, "bf16": 2, "int8": 1, **{f: blocks.bytes_per_weight(f) for f in blocks.SERVED}}
 # Up to this many rows tandem's kernel beats torch's matmul (measured on the default model's layers).
-KERNEL_MAX_ROWS = {"f32": 32, "bf16": 8, "int8": 64, "q4_0": 32, "q4_1": 32, "q5_0": 32, "q8_0": 32}
+KERNEL_MAX_ROWS = {"f32": 32, "bf16": 8, "int8": 64, **{f: 32 for f in blocks.SERVED}}
 FORMAT_NAMES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
 
@@ -78,10 +78,10 @@ class Linear(nn.Module):
         self.dtype, self.parts, self.cols = fmt, parts, weight.shape[1]
         self.max_kernel_rows = KERNEL_MAX_ROWS[fmt]
         self.register_buffer("scale", None)
-        if fmt in blocks.FORMATS:
+        if fmt in blocks.SERVED:
             own = isinstance(weight, BlockTensor) and weight.format == fmt
-            self.register_buffer("weight", (weight.data if own else blocks.quantize(blocks.to_f32(weight), fmt))
-                                 .contiguous())
+            data = weight.data if own else blocks.quantize(blocks.to_f32(weight), fmt)
+            self.register_buffer("weight", blocks.kernel_view(data.contiguous(), fmt, self.cols))
         elif fmt == "int8":
             q, scale = quantize_int8(blocks.to_f32(weight))
             self.register_buffer("weight", q)
@@ -93,18 +93,18 @@ class Linear(nn.Module):
 
     @property
     def is_blocks(self) -> bool:
-        return self.dtype in blocks.FORMATS
+        return self.dtype in blocks.SERVED
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows of W (an embedding lookup when the lm_head is tied to the embedding)."""
         if self.is_blocks:
-            return self._dequantized(self.weight[ids].reshape(-1, self.weight.shape[1])).view(*ids.shape, self.cols)
+            return self._dequantized(self.weight[ids].reshape(-1, *self.weight.shape[1:])).view(*ids.shape, self.cols)
         if self.scale is None:
             return self.weight[ids]
         return self.weight[ids].float() * self.scale[ids, None]
 
     def _dequantized(self, rows: torch.Tensor) -> torch.Tensor:
-        """Block rows [n, bytes] -> f32 [n, cols]: the kernel on the CPU, torch's ops on other
+        """Block rows (as the weight holds them) -> f32 [n, cols]: the kernel on the CPU, torch's ops on other
         devices (the kernels are CPU-only); the same numbers either way."""
         if kernels.usable(rows):
             return kernels.dequantize_blocks(rows, self.cols)

@@ -11,6 +11,7 @@ import torch
 from engine.ops import blocks
 from engine.ops.blocks import BlockTensor
 from engine.ops.quant import Linear, stored_format, weight_formats
+from tests.engine.block_samples import READ_ONLY, sample_blocks
 
 GGUF_TYPE = {"q4_0": gguf.GGMLQuantizationType.Q4_0, "q4_1": gguf.GGMLQuantizationType.Q4_1,
              "q5_0": gguf.GGMLQuantizationType.Q5_0, "q8_0": gguf.GGMLQuantizationType.Q8_0}
@@ -71,6 +72,20 @@ def test_a_linear_layer_keeps_the_files_blocks_and_serves_their_rows():
     assert layer.weight.dtype == torch.uint8 and layer.dtype == "q4_1"
     ids = torch.tensor([[3, 0], [11, 3]])
     assert torch.equal(layer.rows(ids), blocks.dequantize(data, "q4_1", 128)[ids])
+
+
+@pytest.mark.parametrize("fmt", READ_ONLY)
+def test_a_linear_layer_reads_the_formats_files_hold_as_stored(fmt):
+    data = sample_blocks(fmt, 8, 512)
+    layer = Linear(BlockTensor(fmt, data, 512), None, "auto")
+    assert layer.dtype == fmt and layer.weight.data_ptr() == data.data_ptr()  # the file's bytes, no copy
+    w = blocks.dequantize(data, fmt, 512)
+    ids = torch.tensor([[3, 0], [7, 3]])
+    assert torch.equal(layer.rows(ids), w[ids])
+    for rows in (3, 40):  # the kernel's rows, and past them torch's matmul on the dequantized weight
+        x = torch.randn(rows, 512)
+        assert torch.allclose(layer(x), x @ w.T, rtol=1e-4, atol=1e-4)
+    assert {f: u.nbytes for f, u in weight_formats(layer).items()} == {fmt: data.nbytes}
 
 
 def test_quantize_on_load_and_fused_rows():

@@ -16,6 +16,7 @@ from engine.model.layer_spec import trunk_specs as model_specs
 from engine.model.transformer import Transformer
 from engine.ops import blocks, kernels, quant
 from engine.ops.arena import move_to_huge_pages
+from tests.engine.block_samples import READ_ONLY, sample_blocks, widths
 from tests.engine.test_parity import tiny_config
 
 
@@ -59,14 +60,14 @@ def test_block_linear_rows_matches_dequantize_then_matmul(fmt, rows, k):
     assert ((y - ref).abs().max() / ref.abs().max()) < 1e-5
 
 
-@pytest.mark.parametrize("fmt", ["f32", "bf16", "int8", *blocks.FORMATS])
+@pytest.mark.parametrize("fmt", ["f32", "bf16", "int8", *blocks.SERVED])
 def test_a_row_gives_the_same_bits_whatever_rows_share_the_call(fmt):
     # Speculation's exactness rests on this: a verify row (one of several) must equal the decode
     # row the target would have run alone, bit for bit, whichever row tile the kernel picks.
     torch.manual_seed(7)
-    n, k = 37, 96
-    if fmt in blocks.FORMATS:
-        w, scale = blocks.quantize(torch.randn(n, k), fmt), None
+    n, k = 37, 256
+    if fmt in blocks.SERVED:
+        w, scale = blocks.kernel_view(sample_blocks(fmt, n, k), fmt, k), None
     else:
         w, scale = (torch.randn(n, k) * 40).to({"f32": torch.float32, "bf16": torch.bfloat16, "int8": torch.int8}[fmt]), \
             torch.rand(n)
@@ -111,21 +112,50 @@ def test_block_weights_against_8_bit_activations_give_the_integer_product(fmt, r
 
 @pytest.mark.skipif(not kernels.q8_activations_supported(), reason="the host lacks AVX-512 VNNI (the refusal "
                     "is tested above)")
-@pytest.mark.parametrize("fmt", blocks.FORMATS)
+@pytest.mark.parametrize("fmt", blocks.SERVED)
 def test_a_row_against_8_bit_activations_gives_the_same_bits_whatever_rows_share_the_call(fmt):
     torch.manual_seed(8)
-    n, k = 37, 160
-    w = blocks.quantize(torch.randn(n, k), fmt)
+    n, k = 37, 256 if fmt in blocks.SUPER_BYTES else 160
+    w = blocks.kernel_view(sample_blocks(fmt, n, k), fmt, k)
     x = torch.randn(40, k)
     alone = torch.cat([kernels.linear_rows(x[i:i + 1], w, None, None, True) for i in range(40)])
     for rows in (2, 4, 5, 8, 9, 17, 40):
         assert torch.equal(kernels.linear_rows(x[:rows], w, None, None, True), alone[:rows]), rows
 
 
-@pytest.mark.parametrize("fmt", blocks.FORMATS)
+@pytest.mark.parametrize("fmt", blocks.SERVED)
 def test_dequantize_blocks_gives_the_numbers_the_f32_path_reads(fmt):
-    data = blocks.quantize(torch.randn(45, 320), fmt)
-    assert torch.equal(kernels.dequantize_blocks(data, 320), blocks.dequantize(data, fmt, 320))
+    # For the formats tandem only reads, blocks.dequantize is the gguf package's: llama.cpp's numbers.
+    data = sample_blocks(fmt, 45, 512)
+    assert torch.equal(kernels.dequantize_blocks(blocks.kernel_view(data, fmt, 512), 512), blocks.dequantize(data, fmt, 512))
+
+
+@pytest.mark.parametrize("fmt", READ_ONLY)
+def test_formats_read_as_files_hold_them_give_their_dequantized_product(fmt):
+    # q5_1 and the K-quants, at the row widths the families use: with f32 activations the product
+    # of the weights llama.cpp dequantizes, up to summation order; with 8-bit activations the f32
+    # product of those weights with x's q8_0 reading, each sub-block an exact integer dot product.
+    for k in widths(fmt):
+        n = 37
+        data = sample_blocks(fmt, n, k, seed=k)
+        w, weights = blocks.kernel_view(data, fmt, k), blocks.dequantize(data, fmt, k)
+        for rows in (1, 3, 5, 9, 16):
+            x, bias = torch.randn(rows, k), torch.randn(n)
+            ref = x @ weights.T + bias
+            y = kernels.linear_rows(x, w, None, bias)
+            assert ((y - ref).abs().max() / ref.abs().max()) < 1e-5, (k, rows)
+            if kernels.q8_activations_supported():
+                ref = q8_reading(x) @ weights.T + bias
+                y8 = kernels.linear_rows(x, w, None, bias, True)
+                assert ((y8 - ref).abs().max() / ref.abs().max()) < 1e-5, (k, rows)
+                assert not torch.equal(y8, y)
+
+
+def test_a_k_quant_weight_of_the_wrong_shape_is_named():
+    with pytest.raises(RuntimeError, match=r"B 144 \(Q4_K\), 176 \(Q5_K\) or 210 \(Q6_K\); got \[4, 2, 150\]"):
+        kernels.linear_rows(torch.randn(1, 512), torch.zeros(4, 2, 150, dtype=torch.uint8), None, None)
+    with pytest.raises(RuntimeError, match="for K = 256"):  # two super-blocks a row, against 256 inputs
+        kernels.linear_rows(torch.randn(1, 256), torch.zeros(4, 2, 144, dtype=torch.uint8), None, None)
 
 
 def test_block_linear_rows_names_rows_that_are_not_whole_blocks():

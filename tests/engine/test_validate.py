@@ -26,11 +26,11 @@ def test_validate_reports_the_weights_as_the_file_stores_them(capsys):
     assert "q4_0 72.2 MiB, q4_1 80.2 MiB, q5_0 88.2 MiB, q8_0 136.3 MiB" in out  # each format, quantized on load
 
 
-def test_validate_reports_a_k_quant_files_matrices_in_the_formats_they_load_in(capsys):
+def test_validate_reports_a_k_quant_files_matrices_as_stored(capsys):
     from tests.engine.test_kquants_gguf import model
     assert main([str(model("Q4_K_M"))]) == 0
-    # 12 Q4_K matrices as q4_1 (144 bytes per 256 weights become 160), 3 Q6_K as q8_0; the norms f32.
-    assert "weights as stored (--dtype auto): q4_1 0.6 MiB (12 tensors), q8_0 0.2 MiB (3 tensors), " \
+    # 12 Q4_K matrices and 3 Q6_K, as stored (144 and 210 bytes per 256 weights); the norms f32.
+    assert "weights as stored (--dtype auto): q4_k 0.5 MiB (12 tensors), q6_k 0.2 MiB (3 tensors), " \
            "f32 0.0 MiB (5 tensors)" in capsys.readouterr().out
 
 

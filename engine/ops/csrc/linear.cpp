@@ -1,19 +1,21 @@
 // tandem::linear_rows: y = x W^T * scale + bias for a few rows of x (decode slots, verify
 // tokens), with W in f32, bf16, int8 (one f32 scale per output channel) or a GGUF block format
-// (Q4_0, Q4_1, Q5_0, Q8_0: uint8 rows of 32-weight blocks, engine/ops/blocks.py).
+// (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0: uint8 rows of 32-weight blocks, engine/ops/blocks.py; the K-quants'
+// super-blocks of 256 weights are kquants.cpp's).
 //
 // At a few rows a linear layer is a matrix-vector product: every weight is used once per row,
 // so its speed is how fast W streams from memory. Weights are widened to f32 in registers as
 // they are read (int8 and bf16 convert exactly) and accumulated in f32, four output channels at
 // a time against up to four rows of x, so each weight byte is read from memory once per step.
 // Activations stay in floating point: only the weights are quantized. A block weight is widened
-// with the same f32 operations that dequantize it (engine/blocks.py; a q4_1 block's minimum m
+// with the same f32 operations that dequantize it (engine/blocks.py; a q4_1 or q5_1 block's minimum m
 // multiplies the block's sum of x instead of being added to each weight), so the product equals
 // the f32 path's on the dequantized matrix up to the order and grouping of the sum.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "row_tiles.h"
 #include "tandem.h"
 
 #include <cstddef>
@@ -28,26 +30,20 @@
 
 namespace {
 
-constexpr int64_t PREFETCH = 2;  // blocks ahead
-constexpr int64_t QK = 32;  // weights per GGUF block
+using namespace tandem::rows;
 
 // GGUF's blocks, byte for byte (f16 values as raw bits: the blocks are packed, so unaligned).
 struct BlockQ4_0 { uint8_t d[2]; uint8_t qs[QK / 2]; };
 struct BlockQ4_1 { uint8_t d[2]; uint8_t m[2]; uint8_t qs[QK / 2]; };
 struct BlockQ5_0 { uint8_t d[2]; uint8_t qh[4]; uint8_t qs[QK / 2]; };
+struct BlockQ5_1 { uint8_t d[2]; uint8_t m[2]; uint8_t qh[4]; uint8_t qs[QK / 2]; };
 struct BlockQ8_0 { uint8_t d[2]; int8_t qs[QK]; };
-static_assert(sizeof(BlockQ4_0) == 18 && sizeof(BlockQ4_1) == 20 && sizeof(BlockQ5_0) == 22 && sizeof(BlockQ8_0) == 34,
-              "GGUF block sizes");
-
-inline float half(const uint8_t* p) {
-  uint16_t bits;
-  std::memcpy(&bits, p, 2);
-#ifdef __F16C__
-  return _cvtsh_ss(bits);  // one instruction; c10::Half's portable conversion costs a dozen per block
-#else
-  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
-#endif
-}
+static_assert(sizeof(BlockQ4_0) == 18 && sizeof(BlockQ4_1) == 20 && sizeof(BlockQ5_0) == 22 && sizeof(BlockQ5_1) == 24 &&
+              sizeof(BlockQ8_0) == 34, "GGUF block sizes");
+// The formats whose weights are d q + m, a minimum m per block (the others are d (q - offset)), and
+// those with a fifth bit per weight in qh.
+template <typename B> constexpr bool HAS_MIN = std::is_same_v<B, BlockQ4_1> || std::is_same_v<B, BlockQ5_1>;
+template <typename B> constexpr bool FIVE_BITS = std::is_same_v<B, BlockQ5_0> || std::is_same_v<B, BlockQ5_1>;
 
 // The 32 weights of a block as f32, exactly as engine/blocks.py dequantize computes them.
 inline void widen(const BlockQ8_0& b, float* out) {
@@ -69,26 +65,34 @@ inline void widen(const BlockQ4_1& b, float* out) {
   }
 }
 
-// q5_0: weight k's fifth bit is bit k of the little-endian word qh.
-inline uint32_t high_bits(const BlockQ5_0& b) {
+// q5_0, q5_1: weight k's fifth bit is bit k of the little-endian word qh.
+template <typename B, std::enable_if_t<FIVE_BITS<B>, int> = 0>
+inline uint32_t high_bits(const B& b) {
   uint32_t qh;
   std::memcpy(&qh, b.qh, 4);
   return qh;
 }
+// Weight k's 5-bit q.
+template <typename B>
+inline int q5(const B& b, int k) {
+  const int nibble = k < QK / 2 ? b.qs[k] & 0x0F : b.qs[k - QK / 2] >> 4;
+  return nibble | static_cast<int>(((high_bits(b) >> k) & 1) << 4);
+}
 inline void widen(const BlockQ5_0& b, float* out) {
   const float d = half(b.d);
-  const uint32_t qh = high_bits(b);
-  for (int k = 0; k < QK / 2; ++k) {
-    out[k] = d * static_cast<float>(static_cast<int>((b.qs[k] & 0x0F) | (((qh >> k) & 1) << 4)) - 16);
-    out[k + QK / 2] = d * static_cast<float>(static_cast<int>((b.qs[k] >> 4) | (((qh >> (k + 16)) & 1) << 4)) - 16);
-  }
+  for (int k = 0; k < QK; ++k) out[k] = d * static_cast<float>(q5(b, k) - 16);
+}
+inline void widen(const BlockQ5_1& b, float* out) {
+  const float d = half(b.d), m = half(b.m);
+  for (int k = 0; k < QK; ++k) out[k] = d * static_cast<float>(q5(b, k)) + m;
 }
 
 #ifdef __AVX2__
-// A q5_0 block's 32 values q - 16 as int8, in weight order (both the AVX-512 and AVX2 products
+// A q5_0 or q5_1 block's 32 5-bit q as bytes, in weight order (both the AVX-512 and AVX2 products
 // widen these): the nibbles, and over them the 32 fifth bits spread to one byte each (byte k
 // takes bit k of qh).
-inline __m256i centred_q5(const BlockQ5_0& b) {
+template <typename B>
+inline __m256i bytes_q5(const B& b) {
   const __m128i lo4 = _mm_set1_epi8(0x0F);
   const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b.qs));
   const __m256i nib = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), lo4), _mm_and_si128(q, lo4));
@@ -96,30 +100,22 @@ inline __m256i centred_q5(const BlockQ5_0& b) {
                                              _mm256_setr_epi64x(0, 0x0101010101010101, 0x0202020202020202, 0x0303030303030303));
   const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201));
   const __m256i fifth = _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(16));
-  return _mm256_sub_epi8(_mm256_or_si256(nib, fifth), _mm256_set1_epi8(16));
+  return _mm256_or_si256(nib, fifth);
 }
+// q5_0's q - 16 as int8.
+inline __m256i centred_q5(const BlockQ5_0& b) { return _mm256_sub_epi8(bytes_q5(b), _mm256_set1_epi8(16)); }
 #endif
 
 template <typename B>
 constexpr bool is_block = std::is_same_v<B, BlockQ4_0> || std::is_same_v<B, BlockQ4_1> || std::is_same_v<B, BlockQ5_0> ||
-                          std::is_same_v<B, BlockQ8_0>;
+                          std::is_same_v<B, BlockQ5_1> || std::is_same_v<B, BlockQ8_0>;
 
 // One weight of a plain format as f32 (a row's tail past its last whole vector, the portable loop).
 inline float widen(float v) { return v; }
 inline float widen(int8_t v) { return static_cast<float>(v); }
 inline float widen(at::BFloat16 v) { return static_cast<float>(v); }
 
-// scale and bias are null when the layer has none.
-inline float epilogue(float v, const float* scale, const float* bias, int i) {
-  if (scale) v *= scale[i];
-  if (bias) v += bias[i];
-  return v;
-}
-
 #ifdef __AVX512F__
-
-// The first n of 16 lanes (all 16 for n >= 16): a row's last, partial vector.
-inline __mmask16 first_lanes(int64_t n) { return n >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1); }
 
 // 16 consecutive weights as f32; `mask` selects the first K % 16 at the end of a row.
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
@@ -203,11 +199,17 @@ inline void scaled(const BlockQ5_0& b, float d, __m512& w0, __m512& w1) {
   w0 = _mm512_mul_ps(dv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q))));
   w1 = _mm512_mul_ps(dv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1))));
 }
+inline void scaled(const BlockQ5_1& b, float d, __m512& w0, __m512& w1) {
+  const __m256i q = bytes_q5(b);
+  const __m512 dv = _mm512_set1_ps(d);
+  w0 = _mm512_mul_ps(dv, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(q))));
+  w1 = _mm512_mul_ps(dv, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(q, 1))));
+}
 // The whole dequantized weight d * q + m (two roundings, as engine/blocks.py computes it).
 template <typename B>
 inline void widen(const B& b, float d, float m, __m512& w0, __m512& w1) {
   scaled(b, d, w0, w1);
-  if constexpr (std::is_same_v<B, BlockQ4_1>) {
+  if constexpr (HAS_MIN<B>) {
     w0 = _mm512_add_ps(w0, _mm512_set1_ps(m));
     w1 = _mm512_add_ps(w1, _mm512_set1_ps(m));
   }
@@ -216,7 +218,7 @@ inline void widen(const B& b, float d, float m, __m512& w0, __m512& w1) {
 constexpr int SCALES = 16;  // blocks whose f16 scales convert at once
 constexpr int CHUNK = 4 * SCALES;  // blocks whose scales convert ahead of their products
 
-// d (and m, for q4_1) of the n <= 16 blocks from w as f32: one gather of each block's first 4 bytes
+// d (and m, for q4_1 and q5_1) of the n <= 16 blocks from w as f32: one gather of each block's first 4 bytes
 // and one conversion, where one block at a time would cost a scalar load, move and convert each.
 template <typename B>
 inline void scales(const B* w, int n, float* d, float* m) {
@@ -225,7 +227,7 @@ inline void scales(const B* w, int n, float* d, float* m) {
   const __mmask16 mask = first_lanes(n);
   const __m512i first = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), mask, offsets, w, 1);
   _mm512_storeu_ps(d, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(first)));
-  if (std::is_same_v<B, BlockQ4_1>) _mm512_storeu_ps(m, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(first, 16))));
+  if (HAS_MIN<B>) _mm512_storeu_ps(m, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(first, 16))));
 }
 
 // The same product over rows of blocks: ldw blocks per weight row, K = 32 * ldw.
@@ -258,10 +260,10 @@ void block(const B* w, int64_t ldw, const float* x, int64_t K, const float* sums
         for (int j = 0; j < M; ++j) acc[i][j] = _mm512_fmadd_ps(w1, x1[j], _mm512_fmadd_ps(w0, x0[j], acc[i][j]));
       }
     }
-    // q4_1: sum_k (d q_k + m) x_k = sum_k d q_k x_k + m sum_k x_k, the minima of 16 blocks against
-    // the sums of x over those blocks in one multiply-add, where adding m to each weight took one
-    // operation per block. It regroups the sum, as a change of summation order would.
-    if constexpr (std::is_same_v<B, BlockQ4_1>) {
+    // q4_1, q5_1: sum_k (d q_k + m) x_k = sum_k d q_k x_k + m sum_k x_k, the minima of 16 blocks
+    // against the sums of x over those blocks in one multiply-add, where adding m to each weight took
+    // one operation per block. It regroups the sum, as a change of summation order would.
+    if constexpr (HAS_MIN<B>) {
       for (int g = 0; g < chunk; g += SCALES) {
         const __mmask16 mask = first_lanes(chunk - g);
         for (int j = 0; j < M; ++j) {
@@ -275,9 +277,11 @@ void block(const B* w, int64_t ldw, const float* x, int64_t K, const float* sums
     for (int j = 0; j < M; ++j) out[j * ldo + i] = epilogue(_mm512_reduce_add_ps(acc[i][j]), scale, bias, i);
 }
 
-inline float min_of(const BlockQ4_1& b) { return half(b.m); }
 template <typename B>
-inline float min_of(const B&) { return 0.f; }
+inline float min_of(const B& b) {
+  if constexpr (HAS_MIN<B>) return half(b.m);
+  return 0.f;
+}
 
 // ---- 8-bit activations (docs/architecture.md, "Weight formats": "8-bit activations") ----
 //
@@ -290,8 +294,8 @@ inline float min_of(const B&) { return 0.f; }
 // multiplies each block's sum of x, d_x sum q_x, with the block sums of 16 blocks in one vector.
 // A row's sums run in the same order whatever rows share the call, so a verify row equals the
 // decode row it stands for, bit for bit, as on the f32 path.
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
-#define TANDEM_Q8_ACTIVATIONS 1
+
+#ifdef TANDEM_Q8_ACTIVATIONS
 
 template <typename B> constexpr int OFFSET = 0;
 template <> constexpr int OFFSET<BlockQ4_0> = 8;
@@ -303,11 +307,10 @@ template <typename B> constexpr int QS = offsetof(B, qs);  // where a block's ni
 // blocks 0..3 (16 bytes each), `hi` their weights 16..31, and the quantized activations are laid
 // out to match, so that the int32 lanes 4t..4t+3 of both products sum block t and the two add up
 // before one conversion.
-constexpr int LANES = 4;  // int32 lanes a block's sum spreads over
 
 // vpermt2b's indexes for 4 whole blocks read as two registers, bytes [0, 64) and [4 sizeof(B) - 64,
 // 4 sizeof(B)) of the group (the second ends at the group's end, so no load reaches past the
-// weight). `nibbles`: byte 16t + j of the result is byte j of block t's nibbles. `fifths` (q5_0):
+// weight). `nibbles`: byte 16t + j of the result is byte j of block t's nibbles. `fifths` (q5_0, q5_1):
 // bytes 2t, 2t + 1 are the low half of block t's qh, bytes 8 + 2t, 9 + 2t its high half, so that
 // the result's two low words are the fifth bits of lo's and hi's 64 weights, bit k for byte k.
 template <typename B>
@@ -320,10 +323,10 @@ struct GroupIndex {
     for (int t = 0; t < 4; ++t)
       for (int j = 0; j < 16; ++j) bytes[16 * t + j] = source(t * static_cast<int>(sizeof(B)) + QS<B> + j);
     nibbles = _mm512_load_si512(bytes);
-    if constexpr (std::is_same_v<B, BlockQ5_0>) {
+    if constexpr (FIVE_BITS<B>) {
       for (int t = 0; t < 4; ++t)
         for (int j = 0; j < 2; ++j) {
-          const int qh = t * static_cast<int>(sizeof(B)) + offsetof(BlockQ5_0, qh);
+          const int qh = t * static_cast<int>(sizeof(B)) + offsetof(B, qh);
           bytes[2 * t + j] = source(qh + j);
           bytes[8 + 2 * t + j] = source(qh + 2 + j);
         }
@@ -336,12 +339,12 @@ struct GroupIndex {
 template <typename B>
 inline void unpack(const B* p, int blocks, __m512i& lo, __m512i& hi, const GroupIndex<B>& index) {
   __m512i raw;
-  uint64_t below = 0, above = 0;  // q5_0's fifth bits of lo's and hi's bytes
+  uint64_t below = 0, above = 0;  // q5_0's and q5_1's fifth bits of lo's and hi's bytes
   if (blocks == 4) {
     const uint8_t* bytes = reinterpret_cast<const uint8_t*>(p);
     const __m512i a = _mm512_loadu_si512(bytes), b = _mm512_loadu_si512(bytes + GroupIndex<B>::SECOND);
     raw = _mm512_permutex2var_epi8(a, index.nibbles, b);
-    if constexpr (std::is_same_v<B, BlockQ5_0>) {
+    if constexpr (FIVE_BITS<B>) {
       const __m128i fifths = _mm512_castsi512_si128(_mm512_permutex2var_epi8(a, index.fifths, b));
       below = static_cast<uint64_t>(_mm_cvtsi128_si64(fifths));
       above = static_cast<uint64_t>(_mm_extract_epi64(fifths, 1));
@@ -351,7 +354,7 @@ inline void unpack(const B* p, int blocks, __m512i& lo, __m512i& hi, const Group
     for (int t = 0; t < blocks; ++t) {
       raw = _mm512_mask_broadcast_i32x4(raw, static_cast<__mmask16>(0xF << (4 * t)),
                                         _mm_loadu_si128(reinterpret_cast<const __m128i*>(p[t].qs)));
-      if constexpr (std::is_same_v<B, BlockQ5_0>) {
+      if constexpr (FIVE_BITS<B>) {
         const uint32_t qh = high_bits(p[t]);
         below |= static_cast<uint64_t>(qh & 0xFFFF) << (16 * t);
         above |= static_cast<uint64_t>(qh >> 16) << (16 * t);
@@ -361,7 +364,7 @@ inline void unpack(const B* p, int blocks, __m512i& lo, __m512i& hi, const Group
   const __m512i lo4 = _mm512_set1_epi8(0x0F);
   lo = _mm512_and_si512(raw, lo4);
   hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), lo4);
-  if constexpr (std::is_same_v<B, BlockQ5_0>) {
+  if constexpr (FIVE_BITS<B>) {
     const __m512i sixteen = _mm512_set1_epi8(16);
     lo = _mm512_mask_add_epi8(lo, below, lo, sixteen);
     hi = _mm512_mask_add_epi8(hi, above, hi, sixteen);
@@ -403,48 +406,6 @@ inline void unpack(const BlockQ8_0* p, int blocks, __m512i& lo, __m512i& hi, con
   const __m512i bias = _mm512_set1_epi8(-128);
   lo = _mm512_xor_si512(lo, bias);
   hi = _mm512_xor_si512(hi, bias);
-}
-
-// M rows of x quantized: per row, G groups of 128 int8 in halves, each block's d_x repeated over
-// its LANES lanes, and each block's d_x sum q_x; padded with zeros to whole groups.
-struct QuantizedRows {
-  const int8_t* q;
-  const float* dx;
-  const float* sx;
-  int64_t groups;  // per row
-  const int8_t* q_row(int64_t j) const { return q + j * groups * 128; }
-};
-
-QuantizedRows quantize_rows(const float* x, int64_t M, int64_t nb) {
-  thread_local std::vector<int8_t> q;
-  thread_local std::vector<float> dx, sx;
-  const int64_t groups = (nb + 3) / 4, padded = groups * 4;
-  q.assign(M * groups * 128, 0);
-  dx.assign(M * padded * LANES, 0.f);
-  sx.assign(M * padded, 0.f);
-  // The buffers are this thread's: the workers below write through pointers, not their own copies.
-  int8_t* qp = q.data();
-  float *dp = dx.data(), *sp = sx.data();
-  at::parallel_for(0, M, std::max<int64_t>(1, 4096 / (nb * QK)), [&](int64_t begin, int64_t end) {
-    for (int64_t j = begin; j < end; ++j)
-      for (int64_t b = 0; b < nb; ++b) {
-        const float* xb = x + (j * nb + b) * QK;
-        const __m512 x0 = _mm512_loadu_ps(xb), x1 = _mm512_loadu_ps(xb + 16);
-        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
-        const float d = amax / 127.f, id = d != 0.f ? 1.f / d : 0.f;
-        const __m512 idv = _mm512_set1_ps(id);
-        const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(x0, idv)), q1 = _mm512_cvtps_epi32(_mm512_mul_ps(x1, idv));
-        int8_t* qr = qp + j * groups * 128;
-        int8_t* first = qr + (b / 4) * 128 + (b % 4) * 16;
-        int8_t* second = first + 64;
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(first), _mm512_cvtsepi32_epi8(q0));
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(second), _mm512_cvtsepi32_epi8(q1));
-        const float dh = _cvtsh_ss(_cvtss_sh(d, _MM_FROUND_TO_NEAREST_INT));
-        std::fill_n(dp + (j * padded + b) * LANES, LANES, dh);
-        sp[j * padded + b] = dh * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1)));
-      }
-  });
-  return {qp, dp, sp, groups};
 }
 
 // out[j, i] = sum over blocks of row i of w against quantized row j, for R channels and M rows.
@@ -592,6 +553,15 @@ inline void widen8(const BlockQ5_0& b, __m256 w[4]) {
   w[2] = _mm256_mul_ps(d, ints(c, true));
   w[3] = _mm256_mul_ps(d, ints(_mm_srli_si128(c, 8), true));
 }
+inline void widen8(const BlockQ5_1& b, __m256 w[4]) {
+  const __m256i q = bytes_q5(b);
+  const __m128i a = _mm256_castsi256_si128(q), c = _mm256_extracti128_si256(q, 1);
+  const __m256 d = _mm256_set1_ps(half(b.d)), m = _mm256_set1_ps(half(b.m));
+  w[0] = _mm256_add_ps(_mm256_mul_ps(d, ints(a, false)), m);
+  w[1] = _mm256_add_ps(_mm256_mul_ps(d, ints(_mm_srli_si128(a, 8), false)), m);
+  w[2] = _mm256_add_ps(_mm256_mul_ps(d, ints(c, false)), m);
+  w[3] = _mm256_add_ps(_mm256_mul_ps(d, ints(_mm_srli_si128(c, 8), false)), m);
+}
 inline void widen8(const BlockQ4_1& b, __m256 w[4]) {
   nibbles(b, 0, w, _mm256_set1_ps(half(b.d)));
   const __m256 m = _mm256_set1_ps(half(b.m));
@@ -655,83 +625,28 @@ void block(const B* w, int64_t ldw, const float* x, int64_t K, const float*, con
 
 #endif
 
-// f(std::integral_constant<int, m>{}) for a tile's m <= MR rows: the row count as a template argument.
-template <int MR, typename F>
-void with_rows(int64_t m, F&& f) {
-  switch (m) {
-    case 1: return f(std::integral_constant<int, 1>{});
-    case 2: return f(std::integral_constant<int, 2>{});
-    case 3: return f(std::integral_constant<int, 3>{});
-    case 4: return f(std::integral_constant<int, 4>{});
-  }
-  if constexpr (MR > 4) {
-    switch (m) {
-      case 5: return f(std::integral_constant<int, 5>{});
-      case 6: return f(std::integral_constant<int, 6>{});
-      case 7: return f(std::integral_constant<int, 7>{});
-      default: return f(std::integral_constant<int, 8>{});
-    }
-  }
-}
-
-inline const float* at(const float* p, int64_t n) { return p ? p + n : nullptr; }
-
-// tile(r, n0, m0, m) over tiles of NR output channels (r = std::integral_constant<int, NR>, or <int, 1>
-// for each of the last N % NR channels) and MR rows of x (m of them): each weight is widened once
-// per tile, and each thread streams a contiguous run of channels; small matrices stay on one thread.
-template <int NR, int64_t MR, typename Tile>
-void tiles(int64_t M, int64_t N, int64_t K, Tile&& tile) {
-  const int64_t blocks = (N + NR - 1) / NR;
-  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / (K * NR));
-  at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b) {
-      const int64_t n0 = b * NR;
-      for (int64_t m0 = 0; m0 < M; m0 += MR) {
-        const int64_t m = std::min(MR, M - m0);
-        if (n0 + NR <= N) {
-          tile(std::integral_constant<int, NR>{}, n0, m0, m);
-        } else {
-          for (int64_t n = n0; n < N; ++n) tile(std::integral_constant<int, 1>{}, n, m0, m);
-        }
-      }
-    }
-  });
-}
-
 // The f32-activation product over NR x MR tiles; ldw: a weight row's length in W (K, or K / 32 blocks).
 template <int NR, int64_t MR, typename W>
 void f32_tiles(const W* w, int64_t ldw, const float* x, int64_t M, int64_t N, int64_t K, const float* sums,
                const float* scale, const float* bias, float* out) {
   tiles<NR, MR>(M, N, K, [&](auto r, int64_t n0, int64_t m0, int64_t m) {
     with_rows<MR>(m, [&](auto rows) {
-      block<decltype(r)::value, decltype(rows)::value>(w + n0 * ldw, ldw, x + m0 * K, K, at(sums, m0 * ldw),
-                                                        at(scale, n0), at(bias, n0), out + m0 * N + n0, N);
+      block<decltype(r)::value, decltype(rows)::value>(w + n0 * ldw, ldw, x + m0 * K, K, offset_by(sums, m0 * ldw),
+                                                        offset_by(scale, n0), offset_by(bias, n0), out + m0 * N + n0, N);
     });
   });
-}
-
-// f(nr, mr) with AVX-512's tile for M rows (std::integral_constants): a lone row (decode) 8
-// channels, so that more independent sums are in flight; up to 4 rows 4 channels x 4 rows of
-// accumulators; more rows (a verify block of several slots, a prompt chunk) 2 channels x 8 rows, so
-// that 8 rows read the weights once, not twice, in the same 16 accumulator registers. Each output is
-// the same sum in the same order whichever tile holds it.
-template <typename F>
-void with_tile(int64_t M, F&& f) {
-  if (M == 1) return f(std::integral_constant<int, 8>{}, std::integral_constant<int64_t, 1>{});
-  if (M <= 4) return f(std::integral_constant<int, 4>{}, std::integral_constant<int64_t, 4>{});
-  f(std::integral_constant<int, 2>{}, std::integral_constant<int64_t, 8>{});
 }
 
 template <typename W>
 void run(const W* w, int64_t ldw, const float* x, int64_t M, int64_t N, int64_t K, const float* scale,
          const float* bias, float* out) {
-  // q4_1's block() wants each row's sum over each block of x [M, ldw]: computed once here, where
+  // q4_1's and q5_1's block() want each row's sum over each block of x [M, ldw]: computed once here, where
   // every tile of output channels would otherwise recompute it. The buffer outlives the call, so a
   // decode step allocates nothing.
   const float* sp = nullptr;
 #ifdef __AVX512F__  // the portable block() adds m to each weight instead
   thread_local std::vector<float> sums;
-  if constexpr (std::is_same_v<W, BlockQ4_1>) {
+  if constexpr (HAS_MIN<W>) {
     sums.resize(M * ldw);
     for (int64_t r = 0; r < M * ldw; ++r) {
       float t = 0.f;
@@ -761,7 +676,7 @@ void q8_run(const B* w, int64_t ldw, const float* x, int64_t M, int64_t N, int64
     constexpr int64_t MR = decltype(mr)::value;
     tiles<decltype(nr)::value, MR>(M, N, K, [&](auto r, int64_t n0, int64_t m0, int64_t m) {
       with_rows<MR>(m, [&](auto rows) {
-        qblock<decltype(r)::value, decltype(rows)::value>(w + n0 * ldw, ldw, q, m0, at(bias, n0), out + m0 * N + n0, N);
+        qblock<decltype(r)::value, decltype(rows)::value>(w + n0 * ldw, ldw, q, m0, offset_by(bias, n0), out + m0 * N + n0, N);
       });
     });
   });
@@ -769,13 +684,14 @@ void q8_run(const B* w, int64_t ldw, const float* x, int64_t M, int64_t N, int64
 #endif
 
 // The bytes per block of a uint8 weight [N, K / 32 * bytes] read against K input features: the
-// row length tells the format apart (18 Q4_0, 20 Q4_1, 22 Q5_0, 34 Q8_0), see engine/ops/kernels.py.
+// row length tells the format apart (18 Q4_0, 20 Q4_1, 22 Q5_0, 24 Q5_1, 34 Q8_0), see engine/ops/kernels.py.
 int64_t block_bytes(const at::Tensor& weight, int64_t K, const char* op) {
   const int64_t row = weight.size(1);
-  TORCH_CHECK(K % QK == 0 && (row == K / QK * int64_t{sizeof(BlockQ4_0)} || row == K / QK * int64_t{sizeof(BlockQ4_1)} ||
-                              row == K / QK * int64_t{sizeof(BlockQ5_0)} || row == K / QK * int64_t{sizeof(BlockQ8_0)}),
-              op, ": a uint8 weight holds rows of 32-weight blocks (18, 20, 22 or 34 bytes each) for K a multiple of 32; "
-              "got rows of ", row, " bytes for K = ", K);
+  bool known = false;
+  for (const int64_t bytes : {sizeof(BlockQ4_0), sizeof(BlockQ4_1), sizeof(BlockQ5_0), sizeof(BlockQ5_1), sizeof(BlockQ8_0)})
+    known = known || row == K / QK * bytes;
+  TORCH_CHECK(K % QK == 0 && known, op, ": a uint8 weight holds rows of 32-weight blocks (18, 20, 22, 24 or 34 bytes "
+              "each) for K a multiple of 32; got rows of ", row, " bytes for K = ", K);
   return row / (K / QK);
 }
 
@@ -786,6 +702,7 @@ void with_blocks(int64_t bytes, const uint8_t* w, F&& f) {
     case sizeof(BlockQ4_0): return f(reinterpret_cast<const BlockQ4_0*>(w));
     case sizeof(BlockQ4_1): return f(reinterpret_cast<const BlockQ4_1*>(w));
     case sizeof(BlockQ5_0): return f(reinterpret_cast<const BlockQ5_0*>(w));
+    case sizeof(BlockQ5_1): return f(reinterpret_cast<const BlockQ5_1*>(w));
     default: return f(reinterpret_cast<const BlockQ8_0*>(w));
   }
 }
@@ -811,6 +728,10 @@ void dequantize_rows(const B* w, int64_t N, int64_t nb, float* out) {
 namespace tandem {
 
 at::Tensor dequantize_blocks(const at::Tensor& weight, int64_t K) {
+  if (weight.dim() == 3) {
+    tandem::check_super_blocks(weight, K, "dequantize_blocks");
+    return dequantize_super_blocks(weight);
+  }
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kByte && weight.is_contiguous(),
               "dequantize_blocks: a contiguous uint8 weight [N, bytes] expected, got ", weight.sizes(), " in ",
               weight.scalar_type());
@@ -833,7 +754,7 @@ bool q8_activations_supported() {
 at::Tensor linear_rows(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& scale,
                        const c10::optional<at::Tensor>& bias, bool q8_activations) {
   const bool blocks = weight.scalar_type() == at::kByte;
-  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && (blocks || x.size(1) == weight.size(1)),
+  TORCH_CHECK(x.dim() == 2 && (weight.dim() == 2 || (blocks && weight.dim() == 3)) && (blocks || x.size(1) == weight.size(1)),
               "linear_rows: x [M, K] and weight [N, K] expected, got ", x.sizes(), " and ", weight.sizes());
   TORCH_CHECK(weight.is_contiguous(), "linear_rows: weight must be contiguous");
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
@@ -852,11 +773,15 @@ at::Tensor linear_rows(const at::Tensor& x, const at::Tensor& weight, const c10:
     case at::kBFloat16: run(weight.data_ptr<at::BFloat16>(), K, xp, M, N, K, sp, bp, op); break;
     case at::kChar: run(weight.data_ptr<int8_t>(), K, xp, M, N, K, sp, bp, op); break;
     case at::kByte: {
+      TORCH_CHECK(!q8_activations || q8_activations_supported(),
+                  "linear_rows: 8-bit activations need AVX-512 VNNI and VBMI, which this build lacks");
+      if (weight.dim() == 3) {
+        super_block_rows(xp, M, K, weight, bp, op, q8_activations);
+        break;
+      }
       const uint8_t* wp = weight.data_ptr<uint8_t>();
       const int64_t nb = K / QK;
       const int64_t bytes = block_bytes(weight, K, "linear_rows");
-      TORCH_CHECK(!q8_activations || q8_activations_supported(),
-                  "linear_rows: 8-bit activations need AVX-512 VNNI and VBMI, which this build lacks");
       with_blocks(bytes, wp, [&](auto w) {
 #ifdef TANDEM_Q8_ACTIVATIONS
         if (q8_activations) return q8_run(w, nb, xp, M, N, K, bp, op);
