@@ -24,13 +24,9 @@ formats tandem quantizes to (FORMATS, the --dtype choices); the others are read 
 """
 from __future__ import annotations
 
-import functools
-import logging
 from dataclasses import dataclass
 
 import torch
-
-log = logging.getLogger("tandem.blocks")
 
 BLOCK = 32  # weights per block, along the input dimension
 BLOCK_BYTES = {"q4_0": 18, "q4_1": 20, "q5_0": 22, "q5_1": 24, "q8_0": 34}
@@ -61,6 +57,48 @@ class BlockTensor:
 
     def dequantize(self) -> torch.Tensor:
         return dequantize(self.data, self.format, self.cols)
+
+
+STACKED = "stacked"  # the format name of a StackedBlocks weight
+
+
+@dataclass(frozen=True)
+class StackedBlocks:
+    """Block weights stacked along their rows, each part in its own format (cat_rows). The kernels
+    take it as its parts' bytes one after another, uint8 [total], with its layout: int64 [parts, 2],
+    each part's rows and bytes per block (engine/ops/csrc/tandem.h)."""
+    parts: tuple[BlockTensor, ...]
+    format = STACKED
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return sum(p.shape[0] for p in self.parts), self.parts[0].cols
+
+    def dequantize(self) -> torch.Tensor:
+        return torch.cat([p.dequantize() for p in self.parts])
+
+    def bytes(self) -> torch.Tensor:
+        return torch.cat([p.data.reshape(-1) for p in self.parts])
+
+    def layout(self) -> torch.Tensor:
+        return torch.tensor([[p.shape[0], block_bytes(p.format)] for p in self.parts], dtype=torch.int64)
+
+
+def block_bytes(fmt: str) -> int:
+    """Bytes per block (per super-block of a K-quant): with the row width they name the format."""
+    return SUPER_BYTES.get(fmt) or BLOCK_BYTES[fmt]
+
+
+def unstack(data: torch.Tensor, layout: torch.Tensor, cols: int) -> list[BlockTensor]:
+    """A stacked weight's bytes and layout (StackedBlocks.bytes, layout) -> its parts."""
+    formats = {block_bytes(f): f for f in SERVED}
+    parts, start = [], 0
+    for rows, size in layout.tolist():
+        fmt = formats[size]
+        row = cols * size // (SUPER_BLOCK if fmt in SUPER_BYTES else BLOCK)
+        parts.append(BlockTensor(fmt, data[start:start + rows * row].view(rows, row), cols))
+        start += rows * row
+    return parts
 
 
 def fits(weight_shape: tuple[int, ...]) -> bool:
@@ -109,20 +147,6 @@ def _q4(qs: torch.Tensor) -> torch.Tensor:
 def _centred(b: torch.Tensor, fmt: str) -> torch.Tensor:
     """q4_0 or q5_0 blocks [..., bytes] -> their q - 8 or q - 16 [..., 32], int32."""
     return _q4(b[..., 2:]).to(torch.int32) - 8 if fmt == "q4_0" else _q5(b) - 16
-
-
-# The formats whose weights d * (q - offset) q8_0 holds exactly (q - offset fits an int8).
-EXACT_IN_Q8_0 = ("q4_0", "q5_0", "q8_0")
-
-
-def as_q8_0(w: BlockTensor) -> BlockTensor:
-    """A weight in one of EXACT_IN_Q8_0 as q8_0 blocks of the same numbers."""
-    if w.format == "q8_0":
-        return w
-    rows = w.data.shape[0]
-    b = w.data.view(rows, w.cols // BLOCK, BLOCK_BYTES[w.format])
-    q = _centred(b, w.format).to(torch.int8).view(torch.uint8)
-    return BlockTensor("q8_0", torch.cat([b[..., :2], q], -1).reshape(rows, -1), w.cols)
 
 
 _BITS = torch.arange(BLOCK, dtype=torch.int32)
@@ -186,8 +210,8 @@ def quantize(w: torch.Tensor, fmt: str) -> torch.Tensor:
     return torch.cat([header, packed], -1).reshape(rows, -1).contiguous()
 
 
-def to_f32(weight: torch.Tensor | BlockTensor) -> torch.Tensor:
-    return weight.dequantize() if isinstance(weight, BlockTensor) else weight.float()
+def to_f32(weight: torch.Tensor | BlockTensor | StackedBlocks) -> torch.Tensor:
+    return weight.dequantize() if isinstance(weight, (BlockTensor, StackedBlocks)) else weight.float()
 
 
 def take_rows(weight: torch.Tensor | BlockTensor, index: torch.Tensor) -> torch.Tensor | BlockTensor:
@@ -195,24 +219,17 @@ def take_rows(weight: torch.Tensor | BlockTensor, index: torch.Tensor) -> torch.
     return weight.rows(index) if isinstance(weight, BlockTensor) else weight[index]
 
 
-def cat_rows(parts: list[torch.Tensor | BlockTensor]) -> torch.Tensor | BlockTensor:
-    """Weights stacked along their rows (fused projections): blocks of one format stay blocks; a mix
-    of formats (a Q4_K_M file's q, k and v) becomes q8_0, of the same numbers where the parts are
-    q4_0, q5_0 or q8_0, the others' rows quantized to q8_0 (within a q8_0 step; the load log says
-    so); a mix with plain weights becomes f32."""
+def cat_rows(parts: list[torch.Tensor | BlockTensor]) -> torch.Tensor | BlockTensor | StackedBlocks:
+    """Weights stacked along their rows (fused projections): blocks of one format stay blocks; blocks
+    of several formats (a Q4_K_M file's Q4_K q and k beside a Q6_K v) stay each in its own, as a
+    StackedBlocks of the runs of one format; a mix with plain weights becomes f32."""
     if not all(isinstance(p, BlockTensor) for p in parts):
         return torch.cat([to_f32(p) for p in parts])
-    formats = tuple(sorted({p.format for p in parts}))
-    if len(formats) > 1:
-        inexact = [f for f in formats if f not in EXACT_IN_Q8_0]
-        if inexact:
-            _say_requantized(formats, tuple(inexact))
-        parts = [as_q8_0(p) if p.format in EXACT_IN_Q8_0 else
-                 BlockTensor("q8_0", quantize(p.dequantize(), "q8_0"), p.cols) for p in parts]
-    return BlockTensor(parts[0].format, torch.cat([p.data for p in parts]), parts[0].cols)
-
-
-@functools.cache
-def _say_requantized(formats: tuple[str, ...], inexact: tuple[str, ...]) -> None:
-    log.info("fused projections of %s rows are held as q8_0: the %s rows quantized to it", " and ".join(formats),
-             " and ".join(inexact))
+    runs: list[list[BlockTensor]] = []
+    for p in parts:
+        if runs and runs[-1][0].format == p.format:
+            runs[-1].append(p)
+        else:
+            runs.append([p])
+    merged = [BlockTensor(run[0].format, torch.cat([p.data for p in run]), run[0].cols) for run in runs]
+    return merged[0] if len(merged) == 1 else StackedBlocks(tuple(merged))

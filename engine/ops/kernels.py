@@ -78,18 +78,20 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | Non
     """x [M, K] @ weight [N, K]^T * scale [N] + bias [N] -> [M, N] in x's dtype, for small M.
 
     weight is f32, bf16 or int8 [N, K], or uint8 [N, K / 32 * B]: each row K / 32 GGUF blocks of
-    B bytes, B naming the format (18 q4_0, 20 q4_1, 22 q5_0, 34 q8_0; engine/ops/blocks.py has the layouts), so
-    a block weight travels through the whole-layer kernel in the same slot as any other, scale None.
+    B bytes, B naming the format (18 q4_0, 20 q4_1, 22 q5_0, 24 q5_1, 34 q8_0; engine/ops/blocks.py has the
+    layouts), or uint8 [N, K / 256, B]: K-quant super-blocks (144 q4_k, 176 q5_k, 210 q6_k), so a block
+    weight travels through the whole-layer kernel in the same slot as any other, scale None; or a
+    stacked weight's bytes [total], its layout in the scale's place (blocks.StackedBlocks).
     q8_activations: a block weight multiplies x quantized per block of 32 to 8 bits, in integer dot
     products (where q8_activations_supported(); docs/architecture.md, "Weight formats").
     """
     return _ops().linear_rows(x, weight, scale, bias, q8_activations)
 
 
-def dequantize_blocks(weight: torch.Tensor, cols: int) -> torch.Tensor:
-    """uint8 GGUF blocks [N, cols / 32 * B] (as linear_rows reads them) -> f32 [N, cols], the same
-    numbers as engine.ops.blocks.dequantize."""
-    return _ops().dequantize_blocks(weight, cols)
+def dequantize_blocks(weight: torch.Tensor, cols: int, layout: torch.Tensor | None = None) -> torch.Tensor:
+    """uint8 GGUF blocks (as linear_rows reads them; a stacked weight with its layout) -> f32
+    [N, cols], the same numbers as engine.ops.blocks.dequantize."""
+    return _ops().dequantize_blocks(weight, cols, layout)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -22,17 +22,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.ops import blocks, kernels
-from engine.ops.blocks import BlockTensor
+from engine.ops.blocks import STACKED, BlockTensor, StackedBlocks
 from engine.settings import BLOCK_DTYPES
 
 log = logging.getLogger("tandem.quant")
 
 TORCH_DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "int8": torch.float32, "auto": torch.float32,
-                **{f: torch.float32 for f in blocks.SERVED}}
+                **{f: torch.float32 for f in (*blocks.SERVED, STACKED)}}
 # Bytes per weight of each format a tensor can be stored in ("auto" is a choice among them).
 BYTES_PER_WEIGHT = {"f32": 4, "bf16": 2, "int8": 1, **{f: blocks.bytes_per_weight(f) for f in blocks.SERVED}}
 # Up to this many rows tandem's kernel beats torch's matmul (measured on the default model's layers).
-KERNEL_MAX_ROWS = {"f32": 32, "bf16": 8, "int8": 64, **{f: 32 for f in blocks.SERVED}}
+KERNEL_MAX_ROWS = {"f32": 32, "bf16": 8, "int8": 64, **{f: 32 for f in (*blocks.SERVED, STACKED)}}
 FORMAT_NAMES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
 
@@ -48,12 +48,12 @@ def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.contiguous(), scale
 
 
-def stored_format(weight: torch.Tensor | BlockTensor, dtype: str) -> str:
-    """The format a linear weight is kept in under `dtype`. "auto" keeps a block weight's format and
-    f32 otherwise; a block format applies to a weight whose rows are whole blocks, and f32 holds
-    the others (in-features not a multiple of 32)."""
+def stored_format(weight: torch.Tensor | BlockTensor | StackedBlocks, dtype: str) -> str:
+    """The format a linear weight is kept in under `dtype`. "auto" keeps a block weight's format (a
+    stacked one's parts theirs) and f32 otherwise; a block format applies to a weight whose rows are
+    whole blocks, and f32 holds the others (in-features not a multiple of 32)."""
     if dtype == "auto":
-        return weight.format if isinstance(weight, BlockTensor) else "f32"
+        return weight.format if isinstance(weight, (BlockTensor, StackedBlocks)) else "f32"
     if dtype in blocks.FORMATS and not blocks.fits(tuple(weight.shape)):
         return "f32"
     return dtype
@@ -66,10 +66,12 @@ def keeps_blocks(dtype: str) -> bool:
 
 class Linear(nn.Module):
     """y = x W^T (+ b), with W in the format `dtype` gives it (stored_format). weight: f32, or a
-    block weight as the file holds it (kept as it is when the format is its own). parts: how many of
-    the file's tensors the layer holds (a fused projection holds several)."""
+    block weight as the file holds it (kept as it is when the format is its own; a stacked one's parts
+    each in theirs, its layout in the scale's place). parts: how many of the file's tensors the layer
+    holds (a fused projection holds several)."""
 
-    def __init__(self, weight: torch.Tensor | BlockTensor, bias: torch.Tensor | None, dtype: str, parts: int = 1):
+    def __init__(self, weight: torch.Tensor | BlockTensor | StackedBlocks, bias: torch.Tensor | None, dtype: str,
+                 parts: int = 1):
         super().__init__()
         fmt = stored_format(weight, dtype)
         if fmt != dtype and dtype != "auto":
@@ -78,7 +80,10 @@ class Linear(nn.Module):
         self.dtype, self.parts, self.cols = fmt, parts, weight.shape[1]
         self.max_kernel_rows = KERNEL_MAX_ROWS[fmt]
         self.register_buffer("scale", None)
-        if fmt in blocks.SERVED:
+        if fmt == STACKED:
+            self.register_buffer("weight", weight.bytes())
+            self.register_buffer("scale", weight.layout())
+        elif fmt in blocks.SERVED:
             own = isinstance(weight, BlockTensor) and weight.format == fmt
             data = weight.data if own else blocks.quantize(blocks.to_f32(weight), fmt)
             self.register_buffer("weight", blocks.kernel_view(data.contiguous(), fmt, self.cols))
@@ -93,7 +98,10 @@ class Linear(nn.Module):
 
     @property
     def is_blocks(self) -> bool:
-        return self.dtype in blocks.SERVED
+        return self.dtype in blocks.SERVED or self.dtype == STACKED
+
+    def stacked_parts(self) -> list[BlockTensor]:
+        return blocks.unstack(self.weight, self.scale, self.cols)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows of W (an embedding lookup when the lm_head is tied to the embedding)."""
@@ -106,8 +114,11 @@ class Linear(nn.Module):
     def _dequantized(self, rows: torch.Tensor) -> torch.Tensor:
         """Block rows (as the weight holds them) -> f32 [n, cols]: the kernel on the CPU, torch's ops on other
         devices (the kernels are CPU-only); the same numbers either way."""
+        layout = self.scale if self.dtype == STACKED else None
         if kernels.usable(rows):
-            return kernels.dequantize_blocks(rows, self.cols)
+            return kernels.dequantize_blocks(rows, self.cols, layout)
+        if layout is not None:
+            return torch.cat([p.dequantize() for p in blocks.unstack(rows, layout, self.cols)])
         return blocks.dequantize(rows, self.dtype, self.cols)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -164,7 +175,9 @@ def weight_formats(model: nn.Module, plain: tuple[torch.Tensor, ...] = ()) -> di
     bias in its compute type), norms and `plain` tensors (an untied embedding)."""
     def entries():
         for m in model.modules():
-            if isinstance(m, Linear):
+            if isinstance(m, Linear) and m.dtype == STACKED:
+                yield from ((p.format, 1, p.data.nbytes) for p in m.stacked_parts())
+            elif isinstance(m, Linear):
                 yield m.dtype, m.parts, m.weight.nbytes + (0 if m.scale is None else m.scale.nbytes)
                 if m.bias is not None:
                     yield FORMAT_NAMES[m.bias.dtype], m.parts, m.bias.nbytes

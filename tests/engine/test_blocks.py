@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine.ops import blocks
-from engine.ops.blocks import BlockTensor
+from engine.ops.blocks import BlockTensor, StackedBlocks
 from engine.ops.quant import Linear, stored_format, weight_formats
 from tests.engine.block_samples import READ_ONLY, sample_blocks
 
@@ -94,9 +94,29 @@ def test_quantize_on_load_and_fused_rows():
              BlockTensor("q8_0", blocks.quantize(w[4:], "q8_0"), 128)]
     fused = blocks.cat_rows(parts)
     assert isinstance(fused, BlockTensor) and torch.equal(fused.data, blocks.quantize(w, "q8_0"))
-    mixed = blocks.cat_rows([parts[0], w[4:]])  # a mix of formats: f32
+    mixed = blocks.cat_rows([parts[0], w[4:]])  # blocks beside a plain weight: f32
     assert torch.equal(mixed, torch.cat([parts[0].dequantize(), w[4:]]))
     layer = Linear(w, None, "q4_0", parts=2)
     assert torch.equal(layer.weight, blocks.quantize(w, "q4_0"))
     assert {f: u.tensors for f, u in weight_formats(layer).items()} == {"q4_0": 2}
     assert weight_formats(layer)["q4_0"].nbytes == 12 * 4 * 18
+
+
+def test_a_fused_projection_keeps_each_parts_format():
+    # A Q4_K_M file holds q and k in Q4_K and v in Q6_K (or Q5_0 and Q8_0 at 576-wide rows): the fused
+    # qkv keeps the file's bytes, runs of one format merged, and multiplies each part as it is.
+    shapes = [("q4_k", 8), ("q4_k", 4), ("q6_k", 4), ("q5_0", 3)]
+    parts = [BlockTensor(f, sample_blocks(f, rows, 512, seed=i), 512) for i, (f, rows) in enumerate(shapes)]
+    stacked = blocks.cat_rows(parts)
+    assert isinstance(stacked, StackedBlocks) and [p.format for p in stacked.parts] == ["q4_k", "q6_k", "q5_0"]
+    w = torch.cat([p.dequantize() for p in parts])
+    assert torch.equal(stacked.dequantize(), w)
+    layer = Linear(stacked, None, "auto", parts=3)
+    assert layer.weight.nbytes == sum(p.data.nbytes for p in parts)  # not a byte more than the file's
+    assert {f: u.nbytes for f, u in weight_formats(layer).items()} == \
+        {"q4_k": 12 * 2 * 144, "q6_k": 4 * 2 * 210, "q5_0": 3 * 16 * 22}
+    with torch.inference_mode():  # the kernels serve inference
+        for rows in (1, 5, 40):  # the kernel's rows, and past them torch's matmul on the dequantized weight
+            x = torch.randn(rows, 512)
+            assert torch.allclose(layer(x), x @ w.T, rtol=1e-4, atol=1e-4)
+    assert torch.equal(Linear(stacked, None, "q8_0").weight, blocks.quantize(w, "q8_0"))  # quantized on load

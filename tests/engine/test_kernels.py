@@ -151,6 +151,21 @@ def test_formats_read_as_files_hold_them_give_their_dequantized_product(fmt):
                 assert not torch.equal(y8, y)
 
 
+def test_a_stacked_weight_gives_each_parts_own_product():
+    # A fused projection of several formats: each part's outputs are the bits that part alone gives.
+    parts = [blocks.BlockTensor(f, sample_blocks(f, rows, 512, seed=rows), 512)
+             for f, rows in (("q4_k", 9), ("q6_k", 4), ("q5_0", 5), ("q8_0", 3))]
+    stacked = blocks.cat_rows(parts)
+    x, bias = torch.randn(5, 512), torch.randn(21)
+    for q8 in (False, True) if kernels.q8_activations_supported() else (False,):
+        y = kernels.linear_rows(x, stacked.bytes(), stacked.layout(), bias, q8)
+        alone = torch.cat([kernels.linear_rows(x, blocks.kernel_view(p.data, p.format, 512), None, b, q8)
+                           for p, b in zip(parts, bias.split([9, 4, 5, 3]))], dim=1)
+        assert torch.equal(y, alone)
+    with pytest.raises(RuntimeError, match="layout covers 6032 of its 7664 bytes"):
+        kernels.linear_rows(x, stacked.bytes(), stacked.layout()[:3], None)
+
+
 def test_a_k_quant_weight_of_the_wrong_shape_is_named():
     with pytest.raises(RuntimeError, match=r"B 144 \(Q4_K\), 176 \(Q5_K\) or 210 \(Q6_K\); got \[4, 2, 150\]"):
         kernels.linear_rows(torch.randn(1, 512), torch.zeros(4, 2, 150, dtype=torch.uint8), None, None)

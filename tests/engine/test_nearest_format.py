@@ -33,18 +33,3 @@ def test_served_formats_and_their_bytes():
     assert served(Q.Q5_0, (8, 48)) is None and served(Q.Q4_K, (256,)) is None  # not whole blocks; a vector
     assert served_bytes(Q.Q4_K, (8, 256), 8 * 144) == 8 * 144  # as stored
     assert served_bytes(Q.Q3_K, (8, 256), 8 * 110) == 8 * 8 * 34  # as q8_0
-
-
-def test_a_mix_of_block_formats_fuses_as_q8_0():
-    w = torch.randn(12, 64)
-    parts = [blocks.BlockTensor(f, blocks.quantize(w[4 * i:4 * i + 4], f), 64) for i, f in enumerate(("q5_0", "q4_0", "q8_0"))]
-    fused = blocks.cat_rows(parts)
-    assert isinstance(fused, blocks.BlockTensor) and fused.format == "q8_0"
-    assert torch.equal(fused.dequantize(), torch.cat([p.dequantize() for p in parts]))
-    # q8_0 cannot hold q4_1's minimum: its rows are quantized to q8_0 (as a Q4_K_M file's Q4_K q and k
-    # beside a Q6_K v), within a q8_0 step, not widened to f32.
-    q4_1 = blocks.BlockTensor("q4_1", blocks.quantize(w[:4], "q4_1"), 64)
-    mixed = blocks.cat_rows([parts[0], q4_1])
-    assert mixed.format == "q8_0" and torch.equal(mixed.dequantize()[:4], parts[0].dequantize())
-    assert torch.equal(mixed.data[4:], blocks.quantize(q4_1.dequantize(), "q8_0"))
-    assert blocks.cat_rows([parts[0], w[:4]]).dtype == torch.float32  # beside a plain weight

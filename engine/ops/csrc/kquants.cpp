@@ -316,7 +316,8 @@ void q8_super(const S* w, int64_t ldw, const QuantizedRows& x, int64_t j0, const
 #endif
 
 template <typename S>
-void super_rows(const S* w, const float* x, int64_t M, int64_t N, int64_t K, const float* bias, float* out, bool q8) {
+void super_rows(const S* w, const float* x, int64_t M, int64_t N, int64_t K, const float* bias, float* out, int64_t ldo,
+                bool q8) {
   const int64_t ldw = K / QK_K;
 #ifdef TANDEM_Q8_ACTIVATIONS
   if (q8) {
@@ -326,7 +327,7 @@ void super_rows(const S* w, const float* x, int64_t M, int64_t N, int64_t K, con
       tiles<decltype(nr)::value, MR>(M, N, K, [&](auto r, int64_t n0, int64_t m0, int64_t m) {
         with_rows<MR>(m, [&](auto rows) {
           q8_super<decltype(r)::value, decltype(rows)::value>(w + n0 * ldw, ldw, q, m0, offset_by(bias, n0),
-                                                               out + m0 * N + n0, N);
+                                                               out + m0 * ldo + n0, ldo);
         });
       });
     });
@@ -337,7 +338,7 @@ void super_rows(const S* w, const float* x, int64_t M, int64_t N, int64_t K, con
     tiles<decltype(nr)::value, MR>(M, N, K, [&](auto r, int64_t n0, int64_t m0, int64_t m) {
       with_rows<MR>(m, [&](auto rows) {
         f32_super<decltype(r)::value, decltype(rows)::value>(w + n0 * ldw, ldw, x + m0 * K, K, offset_by(bias, n0),
-                                                             out + m0 * N + n0, N);
+                                                             out + m0 * ldo + n0, ldo);
       });
     });
   });
@@ -367,10 +368,10 @@ int64_t check_super_blocks(const at::Tensor& weight, int64_t K, const char* op) 
 }
 
 void super_block_rows(const float* x, int64_t M, int64_t K, const at::Tensor& weight, const float* bias, float* out,
-                      bool q8_activations) {
+                      int64_t ldo, bool q8_activations) {
   const int64_t bytes = check_super_blocks(weight, K, "linear_rows");
   with_super_blocks(bytes, weight.data_ptr<uint8_t>(),
-                    [&](auto w) { super_rows(w, x, M, weight.size(0), K, bias, out, q8_activations); });
+                    [&](auto w) { super_rows(w, x, M, weight.size(0), K, bias, out, ldo, q8_activations); });
 }
 
 at::Tensor dequantize_super_blocks(const at::Tensor& weight) {

@@ -628,18 +628,18 @@ void block(const B* w, int64_t ldw, const float* x, int64_t K, const float*, con
 // The f32-activation product over NR x MR tiles; ldw: a weight row's length in W (K, or K / 32 blocks).
 template <int NR, int64_t MR, typename W>
 void f32_tiles(const W* w, int64_t ldw, const float* x, int64_t M, int64_t N, int64_t K, const float* sums,
-               const float* scale, const float* bias, float* out) {
+               const float* scale, const float* bias, float* out, int64_t ldo) {
   tiles<NR, MR>(M, N, K, [&](auto r, int64_t n0, int64_t m0, int64_t m) {
     with_rows<MR>(m, [&](auto rows) {
       block<decltype(r)::value, decltype(rows)::value>(w + n0 * ldw, ldw, x + m0 * K, K, offset_by(sums, m0 * ldw),
-                                                        offset_by(scale, n0), offset_by(bias, n0), out + m0 * N + n0, N);
+                                                        offset_by(scale, n0), offset_by(bias, n0), out + m0 * ldo + n0, ldo);
     });
   });
 }
 
 template <typename W>
 void run(const W* w, int64_t ldw, const float* x, int64_t M, int64_t N, int64_t K, const float* scale,
-         const float* bias, float* out) {
+         const float* bias, float* out, int64_t ldo) {
   // q4_1's and q5_1's block() want each row's sum over each block of x [M, ldw]: computed once here, where
   // every tile of output channels would otherwise recompute it. The buffer outlives the call, so a
   // decode step allocates nothing.
@@ -658,25 +658,26 @@ void run(const W* w, int64_t ldw, const float* x, int64_t M, int64_t N, int64_t 
 #endif
 #if !defined(__AVX512F__) && defined(__AVX2__)
   // 16 registers: 4 channels x 1-2 rows, or 2 channels x 3-4 rows, or 1 channel x 8 rows of accumulators.
-  if (M <= 2) return f32_tiles<4, 2>(w, ldw, x, M, N, K, sp, scale, bias, out);
-  if (M <= 4) return f32_tiles<2, 4>(w, ldw, x, M, N, K, sp, scale, bias, out);
-  return f32_tiles<1, 8>(w, ldw, x, M, N, K, sp, scale, bias, out);
+  if (M <= 2) return f32_tiles<4, 2>(w, ldw, x, M, N, K, sp, scale, bias, out, ldo);
+  if (M <= 4) return f32_tiles<2, 4>(w, ldw, x, M, N, K, sp, scale, bias, out, ldo);
+  return f32_tiles<1, 8>(w, ldw, x, M, N, K, sp, scale, bias, out, ldo);
 #endif
   with_tile(M, [&](auto nr, auto mr) {
-    f32_tiles<decltype(nr)::value, decltype(mr)::value>(w, ldw, x, M, N, K, sp, scale, bias, out);
+    f32_tiles<decltype(nr)::value, decltype(mr)::value>(w, ldw, x, M, N, K, sp, scale, bias, out, ldo);
   });
 }
 
 #ifdef TANDEM_Q8_ACTIVATIONS
 // The product with x quantized to 8 bits (qblock), in the f32 path's tiles.
 template <typename B>
-void q8_run(const B* w, int64_t ldw, const float* x, int64_t M, int64_t N, int64_t K, const float* bias, float* out) {
+void q8_run(const B* w, int64_t ldw, const float* x, int64_t M, int64_t N, int64_t K, const float* bias, float* out,
+            int64_t ldo) {
   const QuantizedRows q = quantize_rows(x, M, ldw);
   with_tile(M, [&](auto nr, auto mr) {
     constexpr int64_t MR = decltype(mr)::value;
     tiles<decltype(nr)::value, MR>(M, N, K, [&](auto r, int64_t n0, int64_t m0, int64_t m) {
       with_rows<MR>(m, [&](auto rows) {
-        qblock<decltype(r)::value, decltype(rows)::value>(w + n0 * ldw, ldw, q, m0, offset_by(bias, n0), out + m0 * N + n0, N);
+        qblock<decltype(r)::value, decltype(rows)::value>(w + n0 * ldw, ldw, q, m0, offset_by(bias, n0), out + m0 * ldo + n0, ldo);
       });
     });
   });
@@ -727,7 +728,61 @@ void dequantize_rows(const B* w, int64_t N, int64_t nb, float* out) {
 
 namespace tandem {
 
-at::Tensor dequantize_blocks(const at::Tensor& weight, int64_t K) {
+bool q8_activations_supported() {
+#ifdef TANDEM_Q8_ACTIVATIONS
+  return true;
+#else
+  return false;
+#endif
+}
+
+// x's product with one block weight, uint8 [n, K / 32 * B] or [n, K / 256, B], into the first n
+// columns of out (rows ldo apart).
+void block_rows(const float* xp, int64_t M, int64_t K, const at::Tensor& weight, const float* bias, float* out,
+                int64_t ldo, bool q8_activations) {
+  if (weight.dim() == 3) return super_block_rows(xp, M, K, weight, bias, out, ldo, q8_activations);
+  const int64_t nb = K / QK, n = weight.size(0);
+  with_blocks(block_bytes(weight, K, "linear_rows"), weight.data_ptr<uint8_t>(), [&](auto w) {
+#ifdef TANDEM_Q8_ACTIVATIONS
+    if (q8_activations) return q8_run(w, nb, xp, M, n, K, bias, out, ldo);
+#endif
+    run(w, nb, xp, M, n, K, nullptr, bias, out, ldo);
+  });
+}
+
+// A stacked weight's parts as the block weights they are: bytes, uint8 [total], holds each part's
+// rows in turn; layout, int64 [P, 2], each part's rows and bytes per block (which name its format:
+// 18, 20, 22, 24, 34 per 32 weights, 144, 176, 210 per 256).
+std::vector<at::Tensor> stacked_parts(const at::Tensor& bytes, const at::Tensor& layout, int64_t K) {
+  TORCH_CHECK(bytes.dim() == 1 && bytes.is_contiguous() && layout.scalar_type() == at::kLong && layout.dim() == 2 &&
+                  layout.size(1) == 2,
+              "linear_rows: a stacked weight is uint8 bytes [total] with its layout int64 [parts, 2] in the scale's "
+              "place; got ", bytes.sizes(), " and ", layout.sizes(), " in ", layout.scalar_type());
+  const at::Tensor l = layout.contiguous();
+  const int64_t* lp = l.data_ptr<int64_t>();
+  std::vector<at::Tensor> parts;
+  int64_t offset = 0;
+  for (int64_t p = 0; p < l.size(0); ++p) {
+    const int64_t rows = lp[2 * p], block = lp[2 * p + 1];
+    const bool super = block > 2 * static_cast<int64_t>(sizeof(BlockQ8_0));
+    const int64_t row_bytes = super ? K / 256 * block : K / QK * block;
+    TORCH_CHECK(offset + rows * row_bytes <= bytes.numel(), "linear_rows: a stacked weight's layout reaches past its ",
+                bytes.numel(), " bytes at part ", p);
+    const at::Tensor part = bytes.narrow(0, offset, rows * row_bytes);
+    parts.push_back(super ? part.view({rows, K / 256, block}) : part.view({rows, row_bytes}));
+    offset += rows * row_bytes;
+  }
+  TORCH_CHECK(offset == bytes.numel(), "linear_rows: a stacked weight's layout covers ", offset, " of its ",
+              bytes.numel(), " bytes");
+  return parts;
+}
+
+at::Tensor dequantize_blocks(const at::Tensor& weight, int64_t K, const c10::optional<at::Tensor>& layout) {
+  if (layout.has_value()) {
+    std::vector<at::Tensor> parts = stacked_parts(weight, *layout, K);
+    for (at::Tensor& part : parts) part = dequantize_blocks(part, K, c10::nullopt);
+    return at::cat(parts);
+  }
   if (weight.dim() == 3) {
     tandem::check_super_blocks(weight, K, "dequantize_blocks");
     return dequantize_super_blocks(weight);
@@ -743,22 +798,21 @@ at::Tensor dequantize_blocks(const at::Tensor& weight, int64_t K) {
   return out;
 }
 
-bool q8_activations_supported() {
-#ifdef TANDEM_Q8_ACTIVATIONS
-  return true;
-#else
-  return false;
-#endif
-}
-
 at::Tensor linear_rows(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& scale,
                        const c10::optional<at::Tensor>& bias, bool q8_activations) {
   const bool blocks = weight.scalar_type() == at::kByte;
-  TORCH_CHECK(x.dim() == 2 && (weight.dim() == 2 || (blocks && weight.dim() == 3)) && (blocks || x.size(1) == weight.size(1)),
+  const bool stacked = blocks && weight.dim() == 1;
+  TORCH_CHECK(x.dim() == 2 && (weight.dim() == 2 || (blocks && weight.dim() <= 3)) && (blocks || x.size(1) == weight.size(1)),
               "linear_rows: x [M, K] and weight [N, K] expected, got ", x.sizes(), " and ", weight.sizes());
   TORCH_CHECK(weight.is_contiguous(), "linear_rows: weight must be contiguous");
-  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
-  const at::Tensor sf = scale.has_value() ? scale->to(at::kFloat).contiguous() : at::Tensor();
+  TORCH_CHECK(!stacked || scale.has_value(), "linear_rows: a stacked weight needs its layout in the scale's place");
+  TORCH_CHECK(!blocks || !q8_activations || q8_activations_supported(),
+              "linear_rows: 8-bit activations need AVX-512 VNNI and VBMI, which this build lacks");
+  const int64_t M = x.size(0), K = x.size(1);
+  const std::vector<at::Tensor> parts = stacked ? stacked_parts(weight, *scale, K) : std::vector<at::Tensor>{weight};
+  int64_t N = 0;
+  for (const at::Tensor& part : parts) N += part.size(0);
+  const at::Tensor sf = scale.has_value() && !stacked ? scale->to(at::kFloat).contiguous() : at::Tensor();
   const at::Tensor bf = bias.has_value() ? bias->to(at::kFloat).contiguous() : at::Tensor();
   TORCH_CHECK((!sf.defined() || sf.numel() == N) && (!bf.defined() || bf.numel() == N),
               "linear_rows: scale and bias need ", N, " values");
@@ -769,25 +823,15 @@ at::Tensor linear_rows(const at::Tensor& x, const at::Tensor& weight, const c10:
   at::Tensor out = at::empty({M, N}, xf.options());
   float* op = out.data_ptr<float>();
   switch (weight.scalar_type()) {
-    case at::kFloat: run(weight.data_ptr<float>(), K, xp, M, N, K, sp, bp, op); break;
-    case at::kBFloat16: run(weight.data_ptr<at::BFloat16>(), K, xp, M, N, K, sp, bp, op); break;
-    case at::kChar: run(weight.data_ptr<int8_t>(), K, xp, M, N, K, sp, bp, op); break;
+    case at::kFloat: run(weight.data_ptr<float>(), K, xp, M, N, K, sp, bp, op, N); break;
+    case at::kBFloat16: run(weight.data_ptr<at::BFloat16>(), K, xp, M, N, K, sp, bp, op, N); break;
+    case at::kChar: run(weight.data_ptr<int8_t>(), K, xp, M, N, K, sp, bp, op, N); break;
     case at::kByte: {
-      TORCH_CHECK(!q8_activations || q8_activations_supported(),
-                  "linear_rows: 8-bit activations need AVX-512 VNNI and VBMI, which this build lacks");
-      if (weight.dim() == 3) {
-        super_block_rows(xp, M, K, weight, bp, op, q8_activations);
-        break;
+      int64_t n0 = 0;
+      for (const at::Tensor& part : parts) {
+        block_rows(xp, M, K, part, offset_by(bp, n0), op + n0, N, q8_activations);
+        n0 += part.size(0);
       }
-      const uint8_t* wp = weight.data_ptr<uint8_t>();
-      const int64_t nb = K / QK;
-      const int64_t bytes = block_bytes(weight, K, "linear_rows");
-      with_blocks(bytes, wp, [&](auto w) {
-#ifdef TANDEM_Q8_ACTIVATIONS
-        if (q8_activations) return q8_run(w, nb, xp, M, N, K, bp, op);
-#endif
-        run(w, nb, xp, M, N, K, sp, bp, op);
-      });
       break;
     }
     default:
@@ -801,7 +845,7 @@ at::Tensor linear_rows(const at::Tensor& x, const at::Tensor& weight, const c10:
 TORCH_LIBRARY_FRAGMENT(tandem, m) {
   m.def("linear_rows(Tensor x, Tensor weight, Tensor? scale, Tensor? bias, bool q8_activations=False) -> Tensor");
   m.def("q8_activations_supported() -> bool", &tandem::q8_activations_supported);
-  m.def("dequantize_blocks(Tensor weight, int cols) -> Tensor");
+  m.def("dequantize_blocks(Tensor weight, int cols, Tensor? layout=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tandem, CPU, m) {

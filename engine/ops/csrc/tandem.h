@@ -9,21 +9,26 @@ namespace tandem {
 
 // x [M, K] @ weight [N, K]^T * scale [N] + bias [N] -> [M, N] in x's dtype; weight f32, bf16, int8,
 // uint8 [N, K / 32 * B]: rows of GGUF blocks of B bytes (18 Q4_0, 20 Q4_1, 22 Q5_0, 24 Q5_1, 34 Q8_0),
-// or uint8 [N, K / 256, B]: rows of K-quant super-blocks (144 Q4_K, 176 Q5_K, 210 Q6_K). Block weights
-// with q8_activations multiply x quantized per block of 32 to 8 bits (where q8_activations_supported()).
+// or uint8 [N, K / 256, B]: rows of K-quant super-blocks (144 Q4_K, 176 Q5_K, 210 Q6_K), or a stacked
+// weight, parts of such formats one after another: uint8 [total] with its layout int64 [parts, 2],
+// each part's rows and bytes per block, in the scale's place (a fused projection whose parts a file
+// holds in different formats). Block weights with q8_activations multiply x quantized per block of
+// 32 to 8 bits (where q8_activations_supported()).
 at::Tensor linear_rows(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& scale,
                        const c10::optional<at::Tensor>& bias, bool q8_activations = false);
 // Whether this build (the CPU it was compiled for) has linear_rows' 8-bit activation path.
 bool q8_activations_supported();
 
-// uint8 blocks [N, K / 32 * B] (or K-quant super-blocks [N, K / 256, B]) as linear_rows reads them -> f32 [N, K].
-at::Tensor dequantize_blocks(const at::Tensor& weight, int64_t K);
+// uint8 blocks [N, K / 32 * B] (or K-quant super-blocks [N, K / 256, B], or a stacked weight with its
+// layout) as linear_rows reads them -> f32 [N, K].
+at::Tensor dequantize_blocks(const at::Tensor& weight, int64_t K, const c10::optional<at::Tensor>& layout);
 
 // linear_rows' product for a K-quant weight, uint8 [N, K / 256, B] (kquants.cpp): x f32 [M, K]
-// contiguous, bias [N] or null, out [M, N]. check_super_blocks names a weight of any other shape.
+// contiguous, bias [N] or null, out [M, N] with rows ldo apart. check_super_blocks names a weight of
+// any other shape.
 int64_t check_super_blocks(const at::Tensor& weight, int64_t K, const char* op);
 void super_block_rows(const float* x, int64_t M, int64_t K, const at::Tensor& weight, const float* bias, float* out,
-                      bool q8_activations);
+                      int64_t ldo, bool q8_activations);
 at::Tensor dequantize_super_blocks(const at::Tensor& weight);
 
 // weight * round(x / rms(x)) over the last axis.
