@@ -154,8 +154,8 @@ void f32_super(const S* w, int64_t ldw, const float* x, int64_t K, const float* 
   for (int i = 0; i < R; ++i)
     for (int j = 0; j < M; ++j) acc[i][j] = _mm512_setzero_ps();
   alignas(64) float scale[16], minimum[16];
-  for (int64_t s = 0; s < ldw; ++s)
-    for (int i = 0; i < R; ++i) {
+  for (int i = 0; i < R; ++i)  // channel by channel: the weights stream in address order
+    for (int64_t s = 0; s < ldw; ++s) {
       const S& b = w[i * ldw + s];
       prefetch(w + (i + PREFETCH * R) * ldw + s);
       widening(b, scale, minimum);
@@ -194,8 +194,8 @@ template <int R, int M, typename S>
 void f32_super(const S* w, int64_t ldw, const float* x, int64_t K, const float* bias, float* out, int64_t ldo) {
   float acc[R][M][16] = {};
   alignas(64) float y[QK_K];
-  for (int64_t s = 0; s < ldw; ++s)
-    for (int i = 0; i < R; ++i) {
+  for (int i = 0; i < R; ++i)
+    for (int64_t s = 0; s < ldw; ++s) {
       prefetch(w + (i + PREFETCH * R) * ldw + s);
       dequantize(w[i * ldw + s], y);
       for (int j = 0; j < M; ++j) {
@@ -276,9 +276,10 @@ void q8_super(const S* w, int64_t ldw, const QuantizedRows& x, int64_t j0, const
     dx_rows[j] = x.dx + (j0 + j) * padded * LANES;
     sum_rows[j] = HAS_MINS<S> ? x.sx + (j0 + j) * padded : x.sxh + (j0 + j) * padded * 2;
   }
-  for (int64_t s = 0; s < ldw; ++s) {
+  // Channel by channel, each row's super-blocks in turn: the weights stream in address order.
 #pragma GCC unroll 8
-    for (int i = 0; i < R; ++i) {
+  for (int i = 0; i < R; ++i) {
+    for (int64_t s = 0; s < ldw; ++s) {
       const S& b = w[i * ldw + s];
       prefetch(w + (i + PREFETCH * R) * ldw + s);
       const Scales sc = scales(b);

@@ -245,21 +245,18 @@ void block(const B* w, int64_t ldw, const float* x, int64_t K, const float* sums
     const int chunk = static_cast<int>(std::min<int64_t>(CHUNK, ldw - c0));
     for (int g = 0; g < chunk; g += SCALES)
       for (int i = 0; i < R; ++i) scales(w + i * ldw + c0 + g, std::min(SCALES, chunk - g), d[i] + g, m[i] + g);
-    for (int k = 0; k < chunk; ++k) {
-      const int64_t b = c0 + k;
-      __m512 x0[M], x1[M];
-      for (int j = 0; j < M; ++j) {
-        x0[j] = _mm512_loadu_ps(x + j * K + b * QK);
-        x1[j] = _mm512_loadu_ps(x + j * K + b * QK + 16);
-      }
-      for (int i = 0; i < R; ++i) {
+    // Channel by channel, so that the weights stream in address order (as qblock below).
+    for (int i = 0; i < R; ++i)
+      for (int k = 0; k < chunk; ++k) {
+        const int64_t b = c0 + k;
         if (k % LINE_BLOCKS == 0)
           _mm_prefetch(reinterpret_cast<const char*>(w + (i + PREFETCH * R) * ldw + b), _MM_HINT_T0);
         __m512 w0, w1;
         scaled(w[i * ldw + b], d[i][k], w0, w1);
-        for (int j = 0; j < M; ++j) acc[i][j] = _mm512_fmadd_ps(w1, x1[j], _mm512_fmadd_ps(w0, x0[j], acc[i][j]));
+        for (int j = 0; j < M; ++j)
+          acc[i][j] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x + j * K + b * QK + 16),
+                                      _mm512_fmadd_ps(w0, _mm512_loadu_ps(x + j * K + b * QK), acc[i][j]));
       }
-    }
     // q4_1, q5_1: sum_k (d q_k + m) x_k = sum_k d q_k x_k + m sum_k x_k, the minima of 16 blocks
     // against the sums of x over those blocks in one multiply-add, where adding m to each weight took
     // one operation per block. It regroups the sum, as a change of summation order would.
@@ -335,31 +332,25 @@ struct GroupIndex {
   }
 };
 
-// A 4-bit or 5-bit group as lo and hi: blocks < 4 only at a row's end, zero past them (unread).
+// The 64 bytes from p, those past the first n read as zero (and not read: a masked load).
+inline __m512i first_bytes(const uint8_t* p, int64_t n) {
+  if (n >= 64) return _mm512_loadu_si512(p);
+  return _mm512_maskz_loadu_epi8(n > 0 ? (uint64_t{1} << n) - 1 : 0, p);
+}
+
+// A 4-bit or 5-bit group as lo and hi: blocks < 4 only at a row's end, whose missing blocks read
+// as zero bytes (their x and scales are zero too).
 template <typename B>
 inline void unpack(const B* p, int blocks, __m512i& lo, __m512i& hi, const GroupIndex<B>& index) {
-  __m512i raw;
+  const uint8_t* bytes = reinterpret_cast<const uint8_t*>(p);
+  const int64_t n = blocks * static_cast<int64_t>(sizeof(B));
+  const __m512i a = first_bytes(bytes, n), b = first_bytes(bytes + GroupIndex<B>::SECOND, n - GroupIndex<B>::SECOND);
+  const __m512i raw = _mm512_permutex2var_epi8(a, index.nibbles, b);
   uint64_t below = 0, above = 0;  // q5_0's and q5_1's fifth bits of lo's and hi's bytes
-  if (blocks == 4) {
-    const uint8_t* bytes = reinterpret_cast<const uint8_t*>(p);
-    const __m512i a = _mm512_loadu_si512(bytes), b = _mm512_loadu_si512(bytes + GroupIndex<B>::SECOND);
-    raw = _mm512_permutex2var_epi8(a, index.nibbles, b);
-    if constexpr (FIVE_BITS<B>) {
-      const __m128i fifths = _mm512_castsi512_si128(_mm512_permutex2var_epi8(a, index.fifths, b));
-      below = static_cast<uint64_t>(_mm_cvtsi128_si64(fifths));
-      above = static_cast<uint64_t>(_mm_extract_epi64(fifths, 1));
-    }
-  } else {
-    raw = _mm512_setzero_si512();
-    for (int t = 0; t < blocks; ++t) {
-      raw = _mm512_mask_broadcast_i32x4(raw, static_cast<__mmask16>(0xF << (4 * t)),
-                                        _mm_loadu_si128(reinterpret_cast<const __m128i*>(p[t].qs)));
-      if constexpr (FIVE_BITS<B>) {
-        const uint32_t qh = high_bits(p[t]);
-        below |= static_cast<uint64_t>(qh & 0xFFFF) << (16 * t);
-        above |= static_cast<uint64_t>(qh >> 16) << (16 * t);
-      }
-    }
+  if constexpr (FIVE_BITS<B>) {
+    const __m128i fifths = _mm512_castsi512_si128(_mm512_permutex2var_epi8(a, index.fifths, b));
+    below = static_cast<uint64_t>(_mm_cvtsi128_si64(fifths));
+    above = static_cast<uint64_t>(_mm_extract_epi64(fifths, 1));
   }
   const __m512i lo4 = _mm512_set1_epi8(0x0F);
   lo = _mm512_and_si512(raw, lo4);
@@ -391,18 +382,10 @@ struct GroupIndex<BlockQ8_0> {
 
 template <>
 inline void unpack(const BlockQ8_0* p, int blocks, __m512i& lo, __m512i& hi, const GroupIndex<BlockQ8_0>& index) {
-  if (blocks == 4) {
-    const uint8_t* bytes = reinterpret_cast<const uint8_t*>(p);
-    lo = _mm512_permutex2var_epi8(_mm512_loadu_si512(bytes), index.first, _mm512_loadu_si512(bytes + 64));
-    hi = _mm512_permutex2var_epi8(_mm512_loadu_si512(bytes + 8), index.second, _mm512_loadu_si512(bytes + 72));
-  } else {
-    lo = hi = _mm512_setzero_si512();
-    for (int t = 0; t < blocks; ++t) {
-      const __mmask16 lanes = static_cast<__mmask16>(0xF << (4 * t));
-      lo = _mm512_mask_broadcast_i32x4(lo, lanes, _mm_loadu_si128(reinterpret_cast<const __m128i*>(p[t].qs)));
-      hi = _mm512_mask_broadcast_i32x4(hi, lanes, _mm_loadu_si128(reinterpret_cast<const __m128i*>(p[t].qs + 16)));
-    }
-  }
+  const uint8_t* bytes = reinterpret_cast<const uint8_t*>(p);
+  const int64_t n = blocks * static_cast<int64_t>(sizeof(BlockQ8_0));
+  lo = _mm512_permutex2var_epi8(first_bytes(bytes, n), index.first, first_bytes(bytes + 64, n - 64));
+  hi = _mm512_permutex2var_epi8(first_bytes(bytes + 8, n - 8), index.second, first_bytes(bytes + 72, n - 72));
   const __m512i bias = _mm512_set1_epi8(-128);
   lo = _mm512_xor_si512(lo, bias);
   hi = _mm512_xor_si512(hi, bias);
@@ -434,33 +417,35 @@ void qblock(const B* w, int64_t ldw, const QuantizedRows& x, int64_t j0, const f
         if constexpr (OFFSET<B> != 0)
           _mm512_store_ps(c[i] + g, _mm512_mul_ps(_mm512_load_ps(d[i] + g), _mm512_set1_ps(-static_cast<float>(OFFSET<B>))));
       }
-    // One group of 4 blocks (the row's last may have fewer) against every row. The loops over
-    // channels and rows unroll, so that the accumulators stay in registers.
-    const auto group = [&](int k, int blocks) __attribute__((always_inline)) {
+    // One group of 4 blocks of channel i (the row's last may have fewer) against every row. Each
+    // channel's chunk is read whole before the next's, so that the weights stream in address order,
+    // which the hardware prefetchers follow; the loop over rows unrolls, so that the accumulators
+    // stay in registers, and the channels' independent sums overlap in the core.
+    const auto group = [&](int i, int k, int blocks) __attribute__((always_inline)) {
       const int64_t b = c0 + k;
-#pragma GCC unroll 8
-      for (int i = 0; i < R; ++i) {
-        // Every cache line of the group PREFETCH tiles ahead: a weight out of cache (the lm_head)
-        // streams at memory speed only with each of its lines asked for early.
-        const char* ahead = reinterpret_cast<const char*>(w + (i + PREFETCH * R) * ldw + b);
+      // Every cache line of the group PREFETCH tiles ahead: a weight out of cache (the lm_head)
+      // streams at memory speed only with each of its lines asked for early.
+      const char* ahead = reinterpret_cast<const char*>(w + (i + PREFETCH * R) * ldw + b);
 #pragma GCC unroll 4
-        for (int line = 0; line < 4 * static_cast<int>(sizeof(B)); line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
-        __m512i lo, hi;
-        unpack(w + i * ldw + b, blocks, lo, hi, index);
-        const __m512 dw = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(_mm_load_ps(d[i] + k)));
+      for (int line = 0; line < 4 * static_cast<int>(sizeof(B)); line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
+      __m512i lo, hi;
+      unpack(w + i * ldw + b, blocks, lo, hi, index);
+      const __m512 dw = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(_mm_load_ps(d[i] + k)));
 #pragma GCC unroll 8
-        for (int j = 0; j < M; ++j) {
-          const int8_t* q = q_rows[j] + b * QK;
-          const __m512i s = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(q)),
-                                                hi, _mm512_loadu_si512(q + 64));
-          const __m512 dx = _mm512_loadu_ps(dx_rows[j] + b * LANES);
-          acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(dw, dx), acc[i][j]);
-        }
+      for (int j = 0; j < M; ++j) {
+        const int8_t* q = q_rows[j] + b * QK;
+        const __m512i s = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(q)),
+                                              hi, _mm512_loadu_si512(q + 64));
+        const __m512 dx = _mm512_loadu_ps(dx_rows[j] + b * LANES);
+        acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(dw, dx), acc[i][j]);
       }
     };
     const int whole = chunk / 4 * 4;
-    for (int k = 0; k < whole; k += 4) group(k, 4);
-    if (whole < chunk) group(whole, chunk - whole);
+#pragma GCC unroll 8
+    for (int i = 0; i < R; ++i) {
+      for (int k = 0; k < whole; k += 4) group(i, k, 4);
+      if (whole < chunk) group(i, whole, chunk - whole);
+    }
     for (int g = 0; g < chunk; g += SCALES) {
       const __mmask16 mask = first_lanes(chunk - g);
       for (int j = 0; j < M; ++j) {

@@ -83,16 +83,14 @@ inline void tiles(int64_t M, int64_t N, int64_t K, Tile&& tile) {
   });
 }
 
-// f(nr, mr) with AVX-512's tile for M rows (std::integral_constants): a lone row (decode) one
-// channel at a time, so that the weights stream in address order, which the hardware prefetchers
-// follow (8 channels' blocks interleaved, for more sums in flight, read a cold 30 MB lm_head at 12
-// GB/s where one channel reads it at 30, on 2 cores of a Zen 4 host); up to 4 rows 4 channels x 4
-// rows of accumulators; more rows (a verify block of several slots, a prompt chunk) 2 channels x 8
-// rows, so that 8 rows read the weights once, not twice, in the same 16 accumulator registers. Each
-// output is the same sum in the same order whichever tile holds it.
+// f(nr, mr) with AVX-512's tile for M rows (std::integral_constants): a lone row (decode) 8
+// channels, so that more independent sums are in flight; up to 4 rows 4 channels x 4 rows of
+// accumulators; more rows (a verify block of several slots, a prompt chunk) 2 channels x 8 rows, so
+// that 8 rows read the weights once, not twice, in the same 16 accumulator registers. Each output is
+// the same sum in the same order whichever tile holds it.
 template <typename F>
 inline void with_tile(int64_t M, F&& f) {
-  if (M == 1) return f(std::integral_constant<int, 1>{}, std::integral_constant<int64_t, 1>{});
+  if (M == 1) return f(std::integral_constant<int, 8>{}, std::integral_constant<int64_t, 1>{});
   if (M <= 4) return f(std::integral_constant<int, 4>{}, std::integral_constant<int64_t, 4>{});
   f(std::integral_constant<int, 2>{}, std::integral_constant<int64_t, 8>{});
 }
