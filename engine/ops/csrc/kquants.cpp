@@ -322,7 +322,7 @@ void super_rows(const S* w, const float* x, int64_t M, int64_t N, int64_t K, con
   const int64_t ldw = K / QK_K;
 #ifdef TANDEM_Q8_ACTIVATIONS
   if (q8) {
-    const QuantizedRows q = quantize_rows(x, M, K / QK, !HAS_MINS<S>);
+    const QuantizedRows q = quantize_rows(x, M, K / QK, RowSums{!HAS_MINS<S>, 0, false});
     return with_tile(M, [&](auto nr, auto mr) {
       constexpr int64_t MR = decltype(mr)::value;
       tiles<decltype(nr)::value, MR>(M, N, K, [&](auto r, int64_t n0, int64_t m0, int64_t m) {

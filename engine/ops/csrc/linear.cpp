@@ -287,10 +287,10 @@ inline float min_of(const B& b) {
 // even), so that a block's product is an integer dot product, sum u q_x, exact in int32, times
 // the block's d_w d_x: VNNI's vpdpbusd takes 64 of its u8 x s8 products per instruction, where the
 // f32 path widens, converts and multiplies each weight. Every weight format is u unsigned with
-// w = d (u - offset) (q4_1: d u + m); the offset's share, -offset d_w sum_k x_k (q4_1: m sum_k x_k),
-// multiplies each block's sum of x, d_x sum q_x, with the block sums of 16 blocks in one vector.
-// A row's sums run in the same order whatever rows share the call, so a verify row equals the
-// decode row it stands for, bit for bit, as on the f32 path.
+// w = d (u - offset) (q4_1, q5_1: d u + m); the offset's share, -offset sum q_x, is an integer that
+// starts each lane's dot product (x's quantization computes it per lane), and a minimum m multiplies
+// its lane's d_x sum q_x. A row's sums run in the same order whatever rows share the call, so a
+// verify row equals the decode row it stands for, bit for bit, as on the f32 path.
 
 #ifdef TANDEM_Q8_ACTIVATIONS
 
@@ -303,7 +303,18 @@ template <typename B> constexpr int QS = offsetof(B, qs);  // where a block's ni
 // The weights of a group of 4 blocks as two vectors of u8, in halves: `lo` holds weights 0..15 of
 // blocks 0..3 (16 bytes each), `hi` their weights 16..31, and the quantized activations are laid
 // out to match, so that the int32 lanes 4t..4t+3 of both products sum block t and the two add up
-// before one conversion.
+// before one conversion. The group's f16 scales (and q4_1's, q5_1's minima) come from the same
+// loads, each block's over its 4 lanes.
+
+// Byte pairs 2l, 2l + 1 of a vpermt2b index reading, for each of 16 lanes, the f16 at byte `field`
+// of block l / 4 of a group (source: where a group byte lies in the two registers read).
+template <typename Source>
+__m512i f16_index(int size, int field, Source source) {
+  alignas(64) uint8_t bytes[64] = {};
+  for (int l = 0; l < 16; ++l)
+    for (int j = 0; j < 2; ++j) bytes[2 * l + j] = source(l / 4 * size + field + j);
+  return _mm512_load_si512(bytes);
+}
 
 // vpermt2b's indexes for 4 whole blocks read as two registers, bytes [0, 64) and [4 sizeof(B) - 64,
 // 4 sizeof(B)) of the group (the second ends at the group's end, so no load reaches past the
@@ -312,18 +323,18 @@ template <typename B> constexpr int QS = offsetof(B, qs);  // where a block's ni
 // the result's two low words are the fifth bits of lo's and hi's 64 weights, bit k for byte k.
 template <typename B>
 struct GroupIndex {
-  __m512i nibbles, fifths = _mm512_setzero_si512();
-  static constexpr int SECOND = 4 * static_cast<int>(sizeof(B)) - 64;
+  __m512i nibbles, fifths = _mm512_setzero_si512(), scales, minima;
+  static constexpr int SIZE = static_cast<int>(sizeof(B)), SECOND = 4 * SIZE - 64;
   static uint8_t source(int at) { return static_cast<uint8_t>(at < 64 ? at : 64 + at - SECOND); }
-  GroupIndex() {
+  GroupIndex() : scales(f16_index(SIZE, 0, source)), minima(f16_index(SIZE, 2, source)) {
     alignas(64) uint8_t bytes[64] = {};
     for (int t = 0; t < 4; ++t)
-      for (int j = 0; j < 16; ++j) bytes[16 * t + j] = source(t * static_cast<int>(sizeof(B)) + QS<B> + j);
+      for (int j = 0; j < 16; ++j) bytes[16 * t + j] = source(t * SIZE + QS<B> + j);
     nibbles = _mm512_load_si512(bytes);
     if constexpr (FIVE_BITS<B>) {
       for (int t = 0; t < 4; ++t)
         for (int j = 0; j < 2; ++j) {
-          const int qh = t * static_cast<int>(sizeof(B)) + offsetof(B, qh);
+          const int qh = t * SIZE + offsetof(B, qh);
           bytes[2 * t + j] = source(qh + j);
           bytes[8 + 2 * t + j] = source(qh + 2 + j);
         }
@@ -338,14 +349,21 @@ inline __m512i first_bytes(const uint8_t* p, int64_t n) {
   return _mm512_maskz_loadu_epi8(n > 0 ? (uint64_t{1} << n) - 1 : 0, p);
 }
 
-// A 4-bit or 5-bit group as lo and hi: blocks < 4 only at a row's end, whose missing blocks read
-// as zero bytes (their x and scales are zero too).
+// 16 lanes of f16 values gathered by vpermt2b, widened.
+inline __m512 widen_f16(__m512i a, __m512i index, __m512i b) {
+  return _mm512_cvtph_ps(_mm512_castsi512_si256(_mm512_permutex2var_epi8(a, index, b)));
+}
+
+// A 4-bit or 5-bit group as lo and hi, its scales d and minima m over their lanes: blocks < 4 only
+// at a row's end, whose missing blocks read as zero bytes (their x is zero too).
 template <typename B>
-inline void unpack(const B* p, int blocks, __m512i& lo, __m512i& hi, const GroupIndex<B>& index) {
+inline void unpack(const B* p, int blocks, __m512i& lo, __m512i& hi, __m512& d, __m512& m, const GroupIndex<B>& index) {
   const uint8_t* bytes = reinterpret_cast<const uint8_t*>(p);
   const int64_t n = blocks * static_cast<int64_t>(sizeof(B));
   const __m512i a = first_bytes(bytes, n), b = first_bytes(bytes + GroupIndex<B>::SECOND, n - GroupIndex<B>::SECOND);
   const __m512i raw = _mm512_permutex2var_epi8(a, index.nibbles, b);
+  d = widen_f16(a, index.scales, b);
+  if constexpr (HAS_MIN<B>) m = widen_f16(a, index.minima, b);
   uint64_t below = 0, above = 0;  // q5_0's and q5_1's fifth bits of lo's and hi's bytes
   if constexpr (FIVE_BITS<B>) {
     const __m128i fifths = _mm512_castsi512_si128(_mm512_permutex2var_epi8(a, index.fifths, b));
@@ -363,11 +381,11 @@ inline void unpack(const B* p, int blocks, __m512i& lo, __m512i& hi, const Group
 }
 
 // q8_0's group spans 136 bytes, more than two registers: lo's bytes come from [0, 128), hi's from
-// [8, 136), each byte q + 128.
+// [8, 136), each byte q + 128; the scales from [0, 128).
 template <>
 struct GroupIndex<BlockQ8_0> {
-  __m512i first, second;
-  GroupIndex() {
+  __m512i first, second, scales;
+  GroupIndex() : scales(f16_index(sizeof(BlockQ8_0), 0, [](int at) { return static_cast<uint8_t>(at); })) {
     alignas(64) uint8_t lo[64], hi[64];
     for (int t = 0; t < 4; ++t)
       for (int j = 0; j < 16; ++j) {
@@ -381,15 +399,22 @@ struct GroupIndex<BlockQ8_0> {
 };
 
 template <>
-inline void unpack(const BlockQ8_0* p, int blocks, __m512i& lo, __m512i& hi, const GroupIndex<BlockQ8_0>& index) {
+inline void unpack(const BlockQ8_0* p, int blocks, __m512i& lo, __m512i& hi, __m512& d, __m512&,
+                   const GroupIndex<BlockQ8_0>& index) {
   const uint8_t* bytes = reinterpret_cast<const uint8_t*>(p);
   const int64_t n = blocks * static_cast<int64_t>(sizeof(BlockQ8_0));
-  lo = _mm512_permutex2var_epi8(first_bytes(bytes, n), index.first, first_bytes(bytes + 64, n - 64));
+  const __m512i a = first_bytes(bytes, n), b = first_bytes(bytes + 64, n - 64);
+  lo = _mm512_permutex2var_epi8(a, index.first, b);
   hi = _mm512_permutex2var_epi8(first_bytes(bytes + 8, n - 8), index.second, first_bytes(bytes + 72, n - 72));
+  d = widen_f16(a, index.scales, b);
   const __m512i bias = _mm512_set1_epi8(-128);
   lo = _mm512_xor_si512(lo, bias);
   hi = _mm512_xor_si512(hi, bias);
 }
+
+// What B's product takes from x besides q_x and d_x (RowSums).
+template <typename B>
+constexpr RowSums ROW_SUMS{false, OFFSET<B>, HAS_MIN<B>};
 
 // out[j, i] = sum over blocks of row i of w against quantized row j, for R channels and M rows.
 template <int R, int M, typename B>
@@ -397,62 +422,45 @@ void qblock(const B* w, int64_t ldw, const QuantizedRows& x, int64_t j0, const f
   __m512 acc[R][M];
   for (int i = 0; i < R; ++i)
     for (int j = 0; j < M; ++j) acc[i][j] = _mm512_setzero_ps();
-  const int64_t padded = x.groups * 4;
-  // A block's d_w over its lanes: within a group of 4 blocks lane l is block l / 4.
-  const __m512i spread = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
-  alignas(64) float d[R][CHUNK + 16], c[R][CHUNK + 16];  // rows of whole cache lines
   static const GroupIndex<B> index;
   const int8_t* q_rows[M];
-  const float* dx_rows[M];
+  const float *dx_rows[M], *sum_rows[M];
+  const int32_t* offset_rows[M];
   for (int j = 0; j < M; ++j) {
     q_rows[j] = x.q_row(j0 + j);
-    dx_rows[j] = x.dx + (j0 + j) * padded * LANES;
+    dx_rows[j] = x.dx + (j0 + j) * x.groups * 4 * LANES;
+    offset_rows[j] = OFFSET<B> ? x.offsets + (j0 + j) * x.groups * 16 : nullptr;
+    sum_rows[j] = HAS_MIN<B> ? x.lane_sums + (j0 + j) * x.groups * 16 : nullptr;
   }
-  for (int64_t c0 = 0; c0 < ldw; c0 += CHUNK) {
-    const int chunk = static_cast<int>(std::min<int64_t>(CHUNK, ldw - c0));
-    // Each block's d_w, and its offset's coefficient: -offset d_w, or q4_1's minimum as gathered.
-    for (int i = 0; i < R; ++i)
-      for (int g = 0; g < chunk; g += SCALES) {
-        scales(w + i * ldw + c0 + g, std::min(SCALES, chunk - g), d[i] + g, c[i] + g);
-        if constexpr (OFFSET<B> != 0)
-          _mm512_store_ps(c[i] + g, _mm512_mul_ps(_mm512_load_ps(d[i] + g), _mm512_set1_ps(-static_cast<float>(OFFSET<B>))));
-      }
-    // One group of 4 blocks of channel i (the row's last may have fewer) against every row. Each
-    // channel's chunk is read whole before the next's, so that the weights stream in address order,
-    // which the hardware prefetchers follow; the loop over rows unrolls, so that the accumulators
-    // stay in registers, and the channels' independent sums overlap in the core.
-    const auto group = [&](int i, int k, int blocks) __attribute__((always_inline)) {
-      const int64_t b = c0 + k;
-      // Every cache line of the group PREFETCH tiles ahead: a weight out of cache (the lm_head)
-      // streams at memory speed only with each of its lines asked for early.
-      const char* ahead = reinterpret_cast<const char*>(w + (i + PREFETCH * R) * ldw + b);
+  // One group of 4 blocks of channel i (the row's last may have fewer) against every row. Each
+  // channel's row is read whole before the next's, so that the weights stream in address order,
+  // which the hardware prefetchers follow; the loop over rows unrolls, so that the accumulators
+  // stay in registers, and the channels' independent sums overlap in the core.
+  const auto group = [&](int i, int64_t b, int blocks) __attribute__((always_inline)) {
+    // Every cache line of the group PREFETCH tiles ahead: a weight out of cache (the lm_head)
+    // streams at memory speed only with each of its lines asked for early.
+    const char* ahead = reinterpret_cast<const char*>(w + (i + PREFETCH * R) * ldw + b);
 #pragma GCC unroll 4
-      for (int line = 0; line < 4 * static_cast<int>(sizeof(B)); line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
-      __m512i lo, hi;
-      unpack(w + i * ldw + b, blocks, lo, hi, index);
-      const __m512 dw = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(_mm_load_ps(d[i] + k)));
+    for (int line = 0; line < 4 * static_cast<int>(sizeof(B)); line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
+    __m512i lo, hi;
+    __m512 d, m;
+    unpack(w + i * ldw + b, blocks, lo, hi, d, m, index);
 #pragma GCC unroll 8
-      for (int j = 0; j < M; ++j) {
-        const int8_t* q = q_rows[j] + b * QK;
-        const __m512i s = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(q)),
-                                              hi, _mm512_loadu_si512(q + 64));
-        const __m512 dx = _mm512_loadu_ps(dx_rows[j] + b * LANES);
-        acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(dw, dx), acc[i][j]);
-      }
-    };
-    const int whole = chunk / 4 * 4;
+    for (int j = 0; j < M; ++j) {
+      const int8_t* q = q_rows[j] + b * QK;
+      // The offset's share, -offset sum q_x per lane, starts the lane's integer sum.
+      const __m512i start = OFFSET<B> ? _mm512_loadu_si512(offset_rows[j] + b / 4 * 16) : _mm512_setzero_si512();
+      const __m512i s = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(start, lo, _mm512_loadu_si512(q)), hi, _mm512_loadu_si512(q + 64));
+      const __m512 dx = _mm512_loadu_ps(dx_rows[j] + b * LANES);
+      acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(d, dx), acc[i][j]);
+      if constexpr (HAS_MIN<B>) acc[i][j] = _mm512_fmadd_ps(m, _mm512_loadu_ps(sum_rows[j] + b / 4 * 16), acc[i][j]);
+    }
+  };
+  const int64_t whole = ldw / 4 * 4;
 #pragma GCC unroll 8
-    for (int i = 0; i < R; ++i) {
-      for (int k = 0; k < whole; k += 4) group(i, k, 4);
-      if (whole < chunk) group(i, whole, chunk - whole);
-    }
-    for (int g = 0; g < chunk; g += SCALES) {
-      const __mmask16 mask = first_lanes(chunk - g);
-      for (int j = 0; j < M; ++j) {
-        const __m512 sx = _mm512_maskz_loadu_ps(mask, x.sx + (j0 + j) * padded + c0 + g);
-        for (int i = 0; i < R; ++i) acc[i][j] = _mm512_fmadd_ps(_mm512_load_ps(c[i] + g), sx, acc[i][j]);
-      }
-    }
+  for (int i = 0; i < R; ++i) {
+    for (int64_t b = 0; b < whole; b += 4) group(i, b, 4);
+    if (whole < ldw) group(i, whole, static_cast<int>(ldw - whole));
   }
   for (int i = 0; i < R; ++i)
     for (int j = 0; j < M; ++j) out[j * ldo + i] = epilogue(_mm512_reduce_add_ps(acc[i][j]), nullptr, bias, i);
@@ -657,7 +665,7 @@ void run(const W* w, int64_t ldw, const float* x, int64_t M, int64_t N, int64_t 
 template <typename B>
 void q8_run(const B* w, int64_t ldw, const float* x, int64_t M, int64_t N, int64_t K, const float* bias, float* out,
             int64_t ldo) {
-  const QuantizedRows q = quantize_rows(x, M, ldw);
+  const QuantizedRows q = quantize_rows(x, M, ldw, ROW_SUMS<B>);
   with_tile(M, [&](auto nr, auto mr) {
     constexpr int64_t MR = decltype(mr)::value;
     tiles<decltype(nr)::value, MR>(M, N, K, [&](auto r, int64_t n0, int64_t m0, int64_t m) {

@@ -105,32 +105,50 @@ inline __mmask16 first_lanes(int64_t n) { return n >= 16 ? 0xFFFF : static_cast<
 
 constexpr int LANES = 4;  // int32 lanes a block's sum spreads over
 
+// What a weight format's product takes from x besides q_x and d_x: `halves`, d_x sum q_x over
+// each half of a block (weights 0..15, 16..31), for a format whose halves have scales of their own
+// (Q6_K); `offset`, for a format of weights d (u - offset), each lane's -offset sum q_x, the integer
+// that the offset's share adds to the lane's dot product; `minima`, for a format of weights d u + m,
+// each lane's d_x sum q_x, which its block's m multiplies.
+struct RowSums {
+  bool halves = false;
+  int offset = 0;
+  bool minima = false;
+};
+
 // M rows of x quantized: per row, G groups of 128 int8 in halves, each block's d_x repeated over
-// its LANES lanes, and each block's d_x sum q_x; padded with zeros to whole groups. With `halves`,
-// also d_x sum q_x over each half of a block (weights 0..15, 16..31), for a format whose halves
-// have scales of their own (Q6_K).
+// its LANES lanes, and each block's d_x sum q_x; padded with zeros to whole groups; and what
+// RowSums asks for: per half block [M, 2 padded], per lane [M, G, 16].
 struct QuantizedRows {
   const int8_t* q;
   const float* dx;
   const float* sx;
-  const float* sxh;  // [M, 2 padded], with halves
+  const float* sxh;
+  const int32_t* offsets;
+  const float* lane_sums;
   int64_t groups;  // per row
   const int8_t* q_row(int64_t j) const { return q + j * groups * 128; }
 };
 
-inline QuantizedRows quantize_rows(const float* x, int64_t M, int64_t nb, bool halves = false) {
+inline QuantizedRows quantize_rows(const float* x, int64_t M, int64_t nb, RowSums want = {}) {
   thread_local std::vector<int8_t> q;
-  thread_local std::vector<float> dx, sx, sxh;
+  thread_local std::vector<float> dx, sx, sxh, lane_sums;
+  thread_local std::vector<int32_t> offsets;
   const int64_t groups = (nb + 3) / 4, padded = groups * 4;
   q.assign(M * groups * 128, 0);
   dx.assign(M * padded * LANES, 0.f);
   sx.assign(M * padded, 0.f);
-  if (halves) sxh.assign(M * padded * 2, 0.f);
+  if (want.halves) sxh.assign(M * padded * 2, 0.f);
+  if (want.offset) offsets.resize(M * groups * 16);
+  if (want.minima) lane_sums.resize(M * groups * 16);
   // The buffers are this thread's: the workers below write through pointers, not their own copies.
   int8_t* qp = q.data();
-  float *dp = dx.data(), *sp = sx.data(), *hp = halves ? sxh.data() : nullptr;
+  float *dp = dx.data(), *sp = sx.data(), *hp = want.halves ? sxh.data() : nullptr;
+  int32_t* op = want.offset ? offsets.data() : nullptr;
+  float* lp = want.minima ? lane_sums.data() : nullptr;
   at::parallel_for(0, M, std::max<int64_t>(1, 4096 / (nb * QK)), [&](int64_t begin, int64_t end) {
-    for (int64_t j = begin; j < end; ++j)
+    for (int64_t j = begin; j < end; ++j) {
+      int8_t* qr = qp + j * groups * 128;
       for (int64_t b = 0; b < nb; ++b) {
         const float* xb = x + (j * nb + b) * QK;
         const __m512 x0 = _mm512_loadu_ps(xb), x1 = _mm512_loadu_ps(xb + 16);
@@ -138,7 +156,6 @@ inline QuantizedRows quantize_rows(const float* x, int64_t M, int64_t nb, bool h
         const float d = amax / 127.f, id = d != 0.f ? 1.f / d : 0.f;
         const __m512 idv = _mm512_set1_ps(id);
         const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(x0, idv)), q1 = _mm512_cvtps_epi32(_mm512_mul_ps(x1, idv));
-        int8_t* qr = qp + j * groups * 128;
         int8_t* first = qr + (b / 4) * 128 + (b % 4) * 16;
         int8_t* second = first + 64;
         _mm_storeu_si128(reinterpret_cast<__m128i*>(first), _mm512_cvtsepi32_epi8(q0));
@@ -151,8 +168,18 @@ inline QuantizedRows quantize_rows(const float* x, int64_t M, int64_t nb, bool h
           hp[(j * padded + b) * 2 + 1] = dh * static_cast<float>(_mm512_reduce_add_epi32(q1));
         }
       }
+      // Each lane's sum of q_x, as the weights' lanes take them (vpdpbusd against ones).
+      for (int64_t g = 0; g < groups && (op || lp); ++g) {
+        const __m512i ones = _mm512_set1_epi8(1);
+        const __m512i lanes = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, _mm512_loadu_si512(qr + g * 128)),
+                                                  ones, _mm512_loadu_si512(qr + g * 128 + 64));
+        if (op) _mm512_storeu_si512(op + (j * groups + g) * 16, _mm512_mullo_epi32(lanes, _mm512_set1_epi32(-want.offset)));
+        if (lp) _mm512_storeu_ps(lp + (j * groups + g) * 16, _mm512_mul_ps(_mm512_cvtepi32_ps(lanes),
+                                                                           _mm512_loadu_ps(dp + (j * padded + 4 * g) * LANES)));
+      }
+    }
   });
-  return {qp, dp, sp, hp, groups};
+  return {qp, dp, sp, hp, op, lp, groups};
 }
 #endif
 
