@@ -7,6 +7,8 @@ rows, QSA layers) attend row by row over views of their slot's cache.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -96,7 +98,9 @@ class Attention(nn.Module):
             else:
                 index = selected.any(0).nonzero()[:, 0]  # the union of the queries' selections
                 (keys, values), mask = cache.read_at(layer, row.slot, index), selected[:, index]
-            out[sl] = self._attend(q[sl], keys.to(q.dtype), values.to(q.dtype), mask)
+            # A chain's prompt chunk sees every key before it: only its own block is causal.
+            prefix = row.start if selected is None and row.depths is None else 0
+            out[sl] = self._attend(q[sl], keys.to(q.dtype), values.to(q.dtype), mask, prefix)
         if batch.probes is not None:
             self._probe(q, k, batch, cache, layer, selections)
         if self.gated:
@@ -140,15 +144,44 @@ class Attention(nn.Module):
                 probe.take(layer, row.start, q[offset:offset + t], k[offset:offset + t], keys, selected)
             offset += t
 
-    def _attend(self, q, keys, values, mask) -> torch.Tensor:
+    def _attend(self, q, keys, values, mask, prefix: int = 0) -> torch.Tensor:
+        """q [T, heads, d] against keys, values [kv_heads, L, d] under mask [T, L] (None: all);
+        prefix: how many leading keys every query sees (a chain's chunk: the keys before it)."""
         # Grouped-query attention without repeating K/V: the `group` query heads that share a kv
         # head are stacked along the query axis. q: [T, heads, d] -> [kv_heads, group*T, d].
         t = q.shape[0]
         qg = q.view(t, self.kv_heads, self.group, self.head_dim).permute(1, 2, 0, 3)
         qg = qg.reshape(self.kv_heads, self.group * t, self.head_dim)
-        if mask is not None:
-            mask = mask.repeat(self.group, 1)
-        # A leading batch axis: with 3-d inputs torch takes its slower reference path.
-        o = F.scaled_dot_product_attention(qg[None], keys[None], values[None], attn_mask=mask)
+        if prefix and t > 1 and q.dtype == torch.float32 and q.is_cpu:
+            o = _prefix_then_causal(qg[None], keys[None], values[None], prefix, self.group)
+        else:
+            if mask is not None:
+                mask = mask.repeat(self.group, 1)
+            # A leading batch axis: with 3-d inputs torch takes its slower reference path.
+            o = F.scaled_dot_product_attention(qg[None], keys[None], values[None], attn_mask=mask)
         # [1, kv_heads, group*T, d] -> [T, heads, d]
         return o.view(self.kv_heads, self.group, t, self.head_dim).permute(2, 0, 1, 3).reshape(t, self.heads, self.head_dim)
+
+
+_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+
+
+@functools.lru_cache(maxsize=8)
+def _causal_bias(t: int, group: int) -> torch.Tensor:
+    """[group*t, t] additive mask of a chunk's own keys for its stacked query heads: 0 on and below
+    the diagonal, -inf above."""
+    return torch.full((t, t), float("-inf")).triu_(1).repeat(group, 1)
+
+
+def _prefix_then_causal(q, keys, values, prefix: int, group: int) -> torch.Tensor:
+    """A prompt chunk's attention in two parts, q [1, kv_heads, group*T, d] stacked by head: the
+    `prefix` keys before it, which every query sees (no mask), and its own T keys (causal), their
+    results merged by their log-sum-exps. One call under a [T, prefix + T] mask took 45% longer at
+    5,200 keys on Zen 4 (torch's kernel reads the mask for every score); the same numbers within
+    f32 rounding."""
+    t = q.shape[2] // group
+    o1, lse1 = _flash(q, keys[:, :, :prefix], values[:, :, :prefix], 0.0, False)[:2]
+    o2, lse2 = _flash(q, keys[:, :, prefix:], values[:, :, prefix:], 0.0, False, attn_mask=_causal_bias(t, group))[:2]
+    top = torch.maximum(lse1, lse2)
+    w1, w2 = torch.exp(lse1 - top).unsqueeze(-1), torch.exp(lse2 - top).unsqueeze(-1)
+    return (o1 * w1 + o2 * w2) / (w1 + w2)

@@ -210,8 +210,8 @@ def test_a_verify_block_past_the_budget_reads_only_the_union_of_its_queries_sele
     ref, model = qwen
     read = []
     attend = Attention._attend
-    monkeypatch.setattr(Attention, "_attend", lambda self, q, keys, values, mask:
-                        read.append((q.shape[0], keys.shape[1])) or attend(self, q, keys, values, mask))
+    monkeypatch.setattr(Attention, "_attend", lambda self, q, keys, values, mask, prefix=0:
+                        read.append((q.shape[0], keys.shape[1])) or attend(self, q, keys, values, mask, prefix))
     start = len(ref.tokens) - 4
     run(model, [[Row(0, 0, ref.tokens[:start])], [Row(0, start, ref.tokens[start:])]])
     spec = next(s for s in model.specs if s.is_qsa)
