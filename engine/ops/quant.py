@@ -27,8 +27,6 @@ from engine.settings import BLOCK_DTYPES
 
 log = logging.getLogger("tandem.quant")
 
-TORCH_DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "int8": torch.float32, "auto": torch.float32,
-                **{f: torch.float32 for f in (*blocks.SERVED, STACKED)}}
 # Bytes per weight of each format a tensor can be stored in ("auto" is a choice among them).
 BYTES_PER_WEIGHT = {"f32": 4, "bf16": 2, "int8": 1, **{f: blocks.bytes_per_weight(f) for f in blocks.SERVED}}
 # Up to this many rows tandem's kernel beats torch's matmul (measured on the default model's layers).
@@ -37,7 +35,9 @@ FORMAT_NAMES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
 
 def compute_dtype(weight_dtype: str) -> torch.dtype:
-    return TORCH_DTYPES[weight_dtype]
+    """The type a layer stored as `weight_dtype` computes in: bf16's bf16, every other's (int8, the
+    block formats, those read as files hold them too) f32."""
+    return torch.bfloat16 if weight_dtype == "bf16" else torch.float32
 
 
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -92,8 +92,8 @@ class Linear(nn.Module):
             self.register_buffer("weight", q)
             self.register_buffer("scale", scale)
         else:
-            self.register_buffer("weight", blocks.to_f32(weight).to(TORCH_DTYPES[fmt]).contiguous())
-        self.register_buffer("bias", None if bias is None else bias.to(TORCH_DTYPES[fmt]))
+            self.register_buffer("weight", blocks.to_f32(weight).to(compute_dtype(fmt)).contiguous())
+        self.register_buffer("bias", None if bias is None else bias.to(compute_dtype(fmt)))
         self.q8_activations = False  # use_activations() sets it on block weights
 
     @property

@@ -1,6 +1,6 @@
 """Files quantized as users' are (tests/fixtures/kquants: llama.cpp's converter, then llama-quantize
-Q4_K_M and Q5_K_M, remade by its remake.py): under `--dtype auto` every matrix is read as the file
-stores it (Q4_K, Q5_K, Q6_K; a fused qkv of Q4_K q and k beside a Q6_K v keeps both), none in f32,
+Q4_K_M, Q5_K_M, Q6_K and Q5_1, remade by its remake.py): under `--dtype auto` every matrix is read as the file
+stores it (Q4_K, Q5_K, Q6_K, Q5_1; a fused qkv of Q4_K q and k beside a Q6_K v keeps both), none in f32,
 and the greedy tokens equal llama-server's on the same file by the exact-token rule, against the
 file's own numbers (the f32 path reads them as llama.cpp dequantizes them)."""
 from __future__ import annotations
@@ -20,7 +20,7 @@ from tests.exact_tokens import assert_same_greedy, next_token_logits
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "kquants"
 LLAMA = json.loads((FIXTURES / "llama_server.json").read_text())
-FORMATS = {"Q4_K_M": {"q4_k", "q6_k"}, "Q5_K_M": {"q5_k", "q6_k"}}
+FORMATS = {"Q4_K_M": {"q4_k", "q6_k"}, "Q5_K_M": {"q5_k", "q6_k"}, "Q6_K": {"q6_k"}, "Q5_1": {"q5_1", "q6_k"}}
 
 
 def model(kind: str) -> Path:

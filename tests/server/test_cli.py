@@ -3,11 +3,12 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from engine.errors import ConfigError
 from engine.model.kv_cache import KV_DTYPES
 from engine.ops import blocks
-from engine.ops.quant import TORCH_DTYPES
+from engine.ops.quant import compute_dtype
 from engine.settings import BLOCK_DTYPES, DEFAULT_DRAFT, DTYPES, KV_CACHE_TYPES
 from server.cli import parse
 from server.flags import AUTO_PARALLEL, FlagError, parse_flags
@@ -56,7 +57,8 @@ def test_the_flag_parser_imports_no_torch_and_no_engine_model_code():
 
 
 def test_the_engines_torch_types_are_keyed_by_the_names_the_flags_accept():
-    assert tuple(TORCH_DTYPES) == DTYPES and tuple(KV_DTYPES) == KV_CACHE_TYPES
+    assert {d: compute_dtype(d) for d in DTYPES} == {**{d: torch.float32 for d in DTYPES}, "bf16": torch.bfloat16}
+    assert tuple(KV_DTYPES) == KV_CACHE_TYPES
     assert set(BLOCK_DTYPES) == {"auto", *blocks.FORMATS}  # the dtypes that keep a file's blocks
 
 

@@ -1,5 +1,7 @@
 """Answers held to a schema or grammar through HTTP, on the main command's defaults (the default
-model's own weights, MTP drafts, 4 slots): OpenAI's response_format on chat and text completions,
+model's own weights, MTP drafts, 4 slots) but drafting at every step (--no-spec-pacing: pacing
+pauses drafts where they do not pay on the host, and these tests hold the drafts to the grammar):
+OpenAI's response_format on chat and text completions,
 llama-server's json_schema and grammar fields and its native /completion; with speculation the
 greedy tokens are those of the same request drafting nothing; a grammar that cannot be used is a
 400 naming the field before a slot is taken."""
@@ -32,9 +34,13 @@ FORMAT = {"type": "json_schema", "json_schema": {"name": "person", "schema": PER
 
 
 @pytest.fixture(scope="module")
-def client(main_server):
-    with main_server.client() as c:
-        yield c
+def client(start_server):
+    server = start_server(["-m", "default", "--no-spec-pacing"])
+    try:
+        with server.client() as c:
+            yield c
+    finally:
+        server.kill()
 
 
 def chat(client, **body) -> dict:
