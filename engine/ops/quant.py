@@ -175,10 +175,11 @@ def weight_formats(model: nn.Module, plain: tuple[torch.Tensor, ...] = ()) -> di
     bias in its compute type), norms and `plain` tensors (an untied embedding)."""
     def entries():
         for m in model.modules():
-            if isinstance(m, Linear) and m.dtype == STACKED:
-                yield from ((p.format, 1, p.data.nbytes) for p in m.stacked_parts())
-            elif isinstance(m, Linear):
-                yield m.dtype, m.parts, m.weight.nbytes + (0 if m.scale is None else m.scale.nbytes)
+            if isinstance(m, Linear):
+                if m.dtype == STACKED:  # each run of one format counts once
+                    yield from ((p.format, 1, p.data.nbytes) for p in m.stacked_parts())
+                else:
+                    yield m.dtype, m.parts, m.weight.nbytes + (0 if m.scale is None else m.scale.nbytes)
                 if m.bias is not None:
                     yield FORMAT_NAMES[m.bias.dtype], m.parts, m.bias.nbytes
             elif m._buffers.get("weight") is not None:  # a norm

@@ -10,7 +10,7 @@ import torch
 
 from engine.ops import blocks
 from engine.ops.blocks import BlockTensor, StackedBlocks
-from engine.ops.quant import Linear, stored_format, weight_formats
+from engine.ops.quant import FormatUse, Linear, stored_format, weight_formats
 from tests.engine.block_samples import READ_ONLY, sample_blocks
 
 GGUF_TYPE = {"q4_0": gguf.GGMLQuantizationType.Q4_0, "q4_1": gguf.GGMLQuantizationType.Q4_1,
@@ -120,3 +120,5 @@ def test_a_fused_projection_keeps_each_parts_format():
             x = torch.randn(rows, 512)
             assert torch.allclose(layer(x), x @ w.T, rtol=1e-4, atol=1e-4)
     assert torch.equal(Linear(stacked, None, "q8_0").weight, blocks.quantize(w, "q8_0"))  # quantized on load
+    biased = Linear(stacked, torch.randn(19), "auto", parts=3)  # q, k and v with their biases (Qwen2)
+    assert weight_formats(biased)["f32"] == FormatUse(3, 19 * 4)
