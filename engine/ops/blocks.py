@@ -24,6 +24,7 @@ formats tandem quantizes to (FORMATS, the --dtype choices); the others are read 
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -225,11 +226,7 @@ def cat_rows(parts: list[torch.Tensor | BlockTensor]) -> torch.Tensor | BlockTen
     StackedBlocks of the runs of one format; a mix with plain weights becomes f32."""
     if not all(isinstance(p, BlockTensor) for p in parts):
         return torch.cat([to_f32(p) for p in parts])
-    runs: list[list[BlockTensor]] = []
-    for p in parts:
-        if runs and runs[-1][0].format == p.format:
-            runs[-1].append(p)
-        else:
-            runs.append([p])
-    merged = [BlockTensor(run[0].format, torch.cat([p.data for p in run]), run[0].cols) for run in runs]
+    cols = parts[0].cols
+    merged = [BlockTensor(fmt, torch.cat([p.data for p in run]), cols)
+              for fmt, run in itertools.groupby(parts, key=lambda p: p.format)]
     return merged[0] if len(merged) == 1 else StackedBlocks(tuple(merged))

@@ -86,12 +86,6 @@ void dequantize(const BlockQ6_K& b, float* y) {
       }
 }
 
-template <typename S>
-inline void prefetch(const S* p) {
-  const char* bytes = reinterpret_cast<const char*>(p);
-  for (int line = 0; line < static_cast<int>(sizeof(S)); line += 64) __builtin_prefetch(bytes + line);
-}
-
 // out[j, i] = sum_k w[i, k] x[j, k] + bias[i] for R channels, M rows, f32 activations, with each
 // super-block widened once per tile. Every row's sum runs in 16 lanes in the same order whatever
 // rows share the call, and the lanes add up in order at the end.
@@ -157,7 +151,7 @@ void f32_super(const S* w, int64_t ldw, const float* x, int64_t K, const float* 
   for (int i = 0; i < R; ++i)  // channel by channel: the weights stream in address order
     for (int64_t s = 0; s < ldw; ++s) {
       const S& b = w[i * ldw + s];
-      prefetch(w + (i + PREFETCH * R) * ldw + s);
+      prefetch_lines(w + (i + PREFETCH * R) * ldw + s, sizeof(S));
       widening(b, scale, minimum);
       for (int g = 0; g < 2; ++g) {
         __m512i plane[2];
@@ -196,7 +190,7 @@ void f32_super(const S* w, int64_t ldw, const float* x, int64_t K, const float* 
   alignas(64) float y[QK_K];
   for (int i = 0; i < R; ++i)
     for (int64_t s = 0; s < ldw; ++s) {
-      prefetch(w + (i + PREFETCH * R) * ldw + s);
+      prefetch_lines(w + (i + PREFETCH * R) * ldw + s, sizeof(S));
       dequantize(w[i * ldw + s], y);
       for (int j = 0; j < M; ++j) {
         const float* xs = x + j * K + s * QK_K;
@@ -281,7 +275,7 @@ void q8_super(const S* w, int64_t ldw, const QuantizedRows& x, int64_t j0, const
   for (int i = 0; i < R; ++i) {
     for (int64_t s = 0; s < ldw; ++s) {
       const S& b = w[i * ldw + s];
-      prefetch(w + (i + PREFETCH * R) * ldw + s);
+      prefetch_lines(w + (i + PREFETCH * R) * ldw + s, sizeof(S));
       const Scales sc = scales(b);
 #pragma GCC unroll 2
       for (int g = 0; g < 2; ++g) {
@@ -375,9 +369,9 @@ void super_block_rows(const float* x, int64_t M, int64_t K, const at::Tensor& we
                     [&](auto w) { super_rows(w, x, M, weight.size(0), K, bias, out, ldo, q8_activations); });
 }
 
-at::Tensor dequantize_super_blocks(const at::Tensor& weight) {
+at::Tensor dequantize_super_blocks(const at::Tensor& weight, int64_t K) {
+  const int64_t bytes = check_super_blocks(weight, K, "dequantize_blocks");
   const int64_t N = weight.size(0), nb = weight.size(1);
-  const int64_t bytes = check_super_blocks(weight, nb * QK_K, "dequantize_blocks");
   at::Tensor out = at::empty({N, nb * QK_K}, weight.options().dtype(at::kFloat));
   float* op = out.data_ptr<float>();
   with_super_blocks(bytes, weight.data_ptr<uint8_t>(), [&](auto w) {

@@ -328,7 +328,8 @@ struct GroupIndex {
   __m512i nibbles, fifths = _mm512_setzero_si512(), scales, minima;
   static constexpr int SIZE = static_cast<int>(sizeof(B)), SECOND = 4 * SIZE - 64;
   static uint8_t source(int at) { return static_cast<uint8_t>(at < 64 ? at : 64 + at - SECOND); }
-  GroupIndex() : scales(f16_index(SIZE, 0, source)), minima(f16_index(SIZE, 2, source)) {
+  GroupIndex() : scales(f16_index(SIZE, 0, source)),
+                 minima(HAS_MIN<B> ? f16_index(SIZE, 2, source) : _mm512_setzero_si512()) {
     alignas(64) uint8_t bytes[64] = {};
     for (int t = 0; t < 4; ++t)
       for (int j = 0; j < 16; ++j) bytes[16 * t + j] = source(t * SIZE + QS<B> + j);
@@ -455,11 +456,7 @@ void qblock(const B* w, int64_t ldw, const QuantizedRows& x, int64_t j0, const f
   // which the hardware prefetchers follow; the loop over rows unrolls, so that the accumulators
   // stay in registers, and the channels' independent sums overlap in the core.
   const auto group = [&](int i, int64_t b, int blocks) __attribute__((always_inline)) {
-    // Every cache line of the group PREFETCH tiles ahead: a weight out of cache (the lm_head)
-    // streams at memory speed only with each of its lines asked for early.
-    const char* ahead = reinterpret_cast<const char*>(w + (i + PREFETCH * R) * ldw + b);
-#pragma GCC unroll 4
-    for (int line = 0; line < 4 * static_cast<int>(sizeof(B)); line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
+    prefetch_lines(w + (i + PREFETCH * R) * ldw + b, 4 * static_cast<int>(sizeof(B)));  // the group, PREFETCH tiles ahead
     __m512i lo, hi;
     __m512 d, m;
     unpack(w + i * ldw + b, blocks, lo, hi, d, m, index);
@@ -794,10 +791,7 @@ at::Tensor dequantize_blocks(const at::Tensor& weight, int64_t K, const c10::opt
     for (at::Tensor& part : parts) part = dequantize_blocks(part, K, c10::nullopt);
     return at::cat(parts);
   }
-  if (weight.dim() == 3) {
-    tandem::check_super_blocks(weight, K, "dequantize_blocks");
-    return dequantize_super_blocks(weight);
-  }
+  if (weight.dim() == 3) return dequantize_super_blocks(weight, K);
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kByte && weight.is_contiguous(),
               "dequantize_blocks: a contiguous uint8 weight [N, bytes] expected, got ", weight.sizes(), " in ",
               weight.scalar_type());

@@ -20,6 +20,13 @@
 namespace tandem::rows {
 
 constexpr int64_t PREFETCH = 2;  // tiles of weight rows ahead
+
+// Asks for every cache line of the n bytes from p: a weight out of cache (the lm_head) streams at
+// memory speed only with each of its lines asked for early.
+inline void prefetch_lines(const void* p, int n) {
+  const char* bytes = static_cast<const char*>(p);
+  for (int line = 0; line < n; line += 64) __builtin_prefetch(bytes + line);
+}
 constexpr int64_t QK = 32;  // weights per GGUF block (and per block of quantized x)
 
 // An f16 stored as raw bits (blocks are packed, so unaligned) -> f32.

@@ -29,7 +29,7 @@ at::Tensor dequantize_blocks(const at::Tensor& weight, int64_t K, const c10::opt
 int64_t check_super_blocks(const at::Tensor& weight, int64_t K, const char* op);
 void super_block_rows(const float* x, int64_t M, int64_t K, const at::Tensor& weight, const float* bias, float* out,
                       int64_t ldo, bool q8_activations);
-at::Tensor dequantize_super_blocks(const at::Tensor& weight);
+at::Tensor dequantize_super_blocks(const at::Tensor& weight, int64_t K);
 
 // weight * round(x / rms(x)) over the last axis.
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
