@@ -13,7 +13,7 @@ import pytest
 from engine.engine import Engine
 from engine.ops.quant import weight_formats
 from engine.sched.sampling import SamplingParams
-from engine.settings import EngineConfig
+from engine.settings import CompressRatios, EngineConfig, SpecConfig
 from tests.engine.runs import run_all
 from tests.engine.test_parity import one_thread  # noqa: F401
 from tests.exact_tokens import assert_same_greedy, next_token_logits
@@ -37,3 +37,23 @@ def test_a_k_quant_file_is_served_in_block_formats_with_llama_servers_greedy_tok
     params = SamplingParams(temperature=0, max_tokens=LLAMA["n_predict"], ignore_eos=True)
     for request, theirs in zip(run_all(engine, LLAMA["prompts"], params), LLAMA["answers"][kind]):
         assert_same_greedy(request.output_ids, theirs["tokens"], request.prompt_ids, next_token_logits(reference.model))
+
+
+def test_a_k_quant_files_greedy_tokens_hold_across_qsa_speculation_unified_slots_and_stages():
+    # The file's K-quant matrices and its stacked qkv (Q4_K q and k beside a Q6_K v) under the
+    # features the main command composes: QSA every other layer past a small budget, n-gram drafts
+    # verified at every step, 4 slots sharing one pool, and the trunk in two stage processes.
+    qsa = {"compress_ratios": CompressRatios.parse("every2:4"), "qsa_budget": 8}
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+
+    def tokens(**settings) -> list[list[int]]:
+        engine = Engine.load(EngineConfig(model=str(model("Q4_K_M")), dtype="auto", ctx_size=512, **qsa, **settings))
+        try:
+            return [r.output_ids for r in run_all(engine, LLAMA["prompts"], params)]
+        finally:
+            engine.stop()  # and its stage processes
+
+    plain = tokens()
+    assert tokens(spec=SpecConfig(type="ngram-simple", ngram_n=2, pacing=False)) == plain
+    assert tokens(parallel=4, kv_unified=True) == plain
+    assert tokens(pipeline_parallel_size=2) == plain
