@@ -9,11 +9,14 @@ the rows routed to it, so a verify block of a few tokens costs one pass per touc
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
 from engine.files.model_config import ModelConfig
 from engine.model.mlp import MLP
+from engine.ops import kernels
 from engine.ops.blocks import BlockTensor
 from engine.ops.quant import Linear
 
@@ -56,7 +59,31 @@ class Experts(nn.Module):
             weights = weights / weights.sum(-1, keepdim=True)
         return weights.to(x.dtype), chosen
 
+    @functools.cached_property
+    def kernel_weights(self) -> list[torch.Tensor | None]:
+        """The linear layers' (weight, scale, bias) in the order tandem's experts_rows reads them."""
+        layers = [self.router, self.shared_expert_gate, self.shared_expert.gate_up_proj, self.shared_expert.down_proj,
+                  *(p for mlp in self.experts for p in (mlp.gate_up_proj, mlp.down_proj))]
+        return [t for layer in layers for t in (layer.weight, layer.scale, layer.bias)]
+
+    @functools.cached_property
+    def kernel_rows(self) -> int:
+        """Up to this many rows the kernel takes the experts: every one of its linear layers' kernel rows."""
+        return min(m.max_kernel_rows for m in self.modules() if isinstance(m, Linear))
+
+    @property
+    def q8_activations(self) -> bool:
+        """Whether its block weights take 8-bit activations (engine/ops/quant.py use_activations sets
+        every block layer of a model alike; the routed experts share one format)."""
+        return any(m.q8_activations for m in (self.router, self.shared_expert_gate, self.shared_expert.gate_up_proj,
+                                               self.shared_expert.down_proj, *self.experts[0].children()))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # A few rows (decode, verify) in one kernel call: the same ops, without a dispatch from
+        # Python for each (experts_rows).
+        if x.dim() == 2 and x.shape[0] <= self.kernel_rows and kernels.usable(x):
+            return kernels.experts_rows(x, self.kernel_weights, self.config.top_k, self.config.norm_top_k,
+                                        self.q8_activations)
         weights, chosen = self.route(x)
         out = torch.zeros_like(x)
         # The rows each expert takes, experts in index order (the reference's order of summation).

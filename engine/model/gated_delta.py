@@ -18,6 +18,8 @@ and keeps the states after its last two positions (its last token runs alone).
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -52,10 +54,24 @@ class GatedDeltaNet(nn.Module):
         group = lin.num_v_heads // lin.num_k_heads
         heads = torch.arange(lin.num_v_heads)
         self.register_buffer("k_head", heads % lin.num_k_heads if lin.tiled_v_heads else heads // group)
+        self.sigmoid_gate = c.linear_gate_act == "sigmoid"
+
+    def _one_call(self, x: torch.Tensor, batch: ForwardBatch, cache: RecurrentCache) -> bool:
+        """Whether the layer runs in one kernel call (gated_delta_mixer): every row a few tokens, each
+        token its own, taken token by token, and both projections the kernel's products."""
+        return kernels.usable(x) and len(batch.slots) == x.shape[0] \
+            and x.shape[0] <= min(self.in_proj.max_kernel_rows, self.out_proj.max_kernel_rows) \
+            and all(cache.per_token(len(row.tokens)) for row in batch.rows)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: RecurrentCache, layer: int) -> torch.Tensor:
         """x [N, hidden] -> [N, hidden]; reads and writes the layer's state of each row's slot."""
         lin, n = self.linear, x.shape[0]
+        if self._one_call(x, batch, cache):  # decode and verify rows of a family outside decoder_layers
+            j = cache.layers[layer]
+            tensors = [self.conv_weight, self.A, self.dt_bias, self.k_head, self.norm.weight, cache.conv[j], cache.state[j]]
+            return kernels.gated_delta_mixer(x, self.kernel_weights, tensors, batch.slots, batch.positions,
+                                             self.norm.eps, self.sigmoid_gate,
+                                             self.in_proj.q8_activations or self.out_proj.q8_activations)
         proj = self.in_proj(x).float()
         mixed, z, b, a = proj.split(self.splits, dim=-1)
         beta = torch.sigmoid(b)
@@ -81,6 +97,11 @@ class GatedDeltaNet(nn.Module):
                                                batch.positions[i])
         out = self.norm(core, z.view(n, lin.num_v_heads, lin.v_head_dim))
         return self.out_proj(out.view(n, lin.value_dim).to(x.dtype))
+
+    @functools.cached_property
+    def kernel_weights(self) -> list[torch.Tensor | None]:
+        """The input projection's and out_proj's (weight, scale, bias)."""
+        return [t for m in (self.in_proj, self.out_proj) for t in (m.weight, m.scale, m.bias)]
 
     def _row(self, mixed, g, beta, cache: RecurrentCache, layer: int, slot: int, start: int) -> torch.Tensor:
         """One row's tokens at positions start.. of the slot: mixed [T, conv_dim], g, beta [T, v_heads]

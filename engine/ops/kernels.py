@@ -152,6 +152,39 @@ def decoder_layers(x: torch.Tensor, weights: list[torch.Tensor | None], k_cache:
                                  heads, kv_heads, eps, rope_positions, pages, linear_layers, q8_activations)
 
 
+def experts_rows(x: torch.Tensor, weights: list[torch.Tensor | None], top_k: int, norm_top_k: bool,
+                 q8_activations: bool = False) -> torch.Tensor:
+    """A mixture-of-experts MLP over x [N, hidden] as engine/model/experts.py computes it, for small
+    N: weights (weight, scale, bias) per linear layer, the router's, the shared expert's gate, its
+    gate_up and down, then each expert's gate_up and down. q8_activations: as linear_rows'."""
+    return _ops().experts_rows(x, weights, top_k, norm_top_k, q8_activations)
+
+
+def gated_delta_mixer(h: torch.Tensor, weights: list[torch.Tensor | None], tensors: list[torch.Tensor | None],
+                      slots: torch.Tensor, positions: torch.Tensor, eps: float, sigmoid_gate: bool,
+                      q8_activations: bool = False) -> torch.Tensor:
+    """A Gated DeltaNet mixer over h [N, hidden], each token a row at positions[n] of slot slots[n]
+    (its states written), as decoder_layers runs a linear-attention layer's: weights, the input
+    projection's and out_proj's (weight, scale, bias); tensors, the layer's 7 as decoder_layers'
+    linear_layers takes them; the output gate the sigmoid (sigmoid_gate) or SiLU."""
+    return _ops().gated_delta_mixer(h, weights, tensors, slots, positions, eps, sigmoid_gate, q8_activations)
+
+
+def hyper_mix(x: torch.Tensor, norm_weight: torch.Tensor, weights: list[torch.Tensor | None], streams: int,
+              eps: float, q8_activations: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """A hyper-connection's input half as engine/model/hyper_connections.py computes it, for small N:
+    x [N, streams * hidden] -> (the block's input [N, hidden], the normed streams); weights: the
+    down and up maps' (weight, scale, bias). q8_activations: as linear_rows'."""
+    return _ops().hyper_mix(x, norm_weight, weights, streams, eps, q8_activations)
+
+
+def hyper_inject(x: torch.Tensor, normed: torch.Tensor, out: torch.Tensor, weights: list[torch.Tensor | None],
+                 streams: int, q8_activations: bool = False) -> torch.Tensor:
+    """Its output half: x with the block's output out [N, hidden] added to every stream, scaled by
+    the inject map's (weight, scale, bias) on the normed streams."""
+    return _ops().hyper_inject(x, normed, out, weights, streams, q8_activations)
+
+
 def gated_delta_rows(proj: torch.Tensor, key_dim: int, conv_weight: torch.Tensor, A: torch.Tensor,
                      dt_bias: torch.Tensor, k_head: torch.Tensor, conv_store: torch.Tensor, state_store: torch.Tensor,
                      slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

@@ -12,7 +12,11 @@ import torch
 
 from engine.errors import ConfigError
 from engine.model.batch import ForwardBatch, Row
+from engine.files.weights import open_model
 from engine.model.indexer import Indexer
+from engine.model.transformer import Transformer
+from engine.ops import kernels
+from engine.ops.quant import Linear, use_activations
 from tests.engine.test_parity import (PROMPT_LEN, assert_matches, load_engine_model, new_cache, one_thread,  # noqa: F401
                                       reference)
 from tests.engine.test_qwen3_5 import STEPS, run
@@ -117,9 +121,10 @@ def test_the_mtp_layer_takes_the_streams_before_the_mixer_as_transformers_module
     assert_matches(logits, expected)
 
 
-def test_a_verify_block_runs_each_touched_expert_once(qwen):
+def test_a_verify_block_runs_each_touched_expert_once(qwen, monkeypatch):
     _, model = qwen
     experts = model.layers[1].mlp
+    monkeypatch.setattr(kernels, "usable", lambda x=None: False)  # the modules, whose calls hooks see
     calls = []
     hooks = [e.register_forward_hook(lambda m, i, o: calls.append(i[0].shape[0])) for e in experts.experts]
     try:
@@ -130,6 +135,52 @@ def test_a_verify_block_runs_each_touched_expert_once(qwen):
         for h in hooks:
             h.remove()
     assert len(calls) == len(chosen.unique()) and sum(calls) == chosen.numel()
+
+
+@pytest.fixture(scope="module", params=["f32", "q8_0"])
+def served(qwen, request):
+    """The tiny model in f32, or in q8_0 blocks with 8-bit activations where the kernels have them."""
+    ref, _ = qwen
+    files = open_model(ref.path)
+    model = Transformer(files.config, files.load_tensors(), dtype=request.param, max_positions=64)
+    use_activations(model, "q8" if request.param == "q8_0" and kernels.q8_activations_supported() else "f32")
+    return model
+
+
+def modules_alone(monkeypatch, module) -> None:
+    """From here on `module` runs op by op from Python, each linear layer by its own kernel call."""
+    monkeypatch.setattr(kernels, "usable", lambda x=None: False)
+    for m in module.modules():
+        if isinstance(m, Linear):
+            monkeypatch.setattr(m, "forward", lambda x, m=m: torch.ops.tandem.linear_rows(
+                x, m.weight, m.scale, m.bias, m.q8_activations))
+
+
+@pytest.mark.parametrize("rows", [1, 4, 32])
+def test_the_experts_kernel_gives_the_modules_numbers(served, monkeypatch, rows):
+    # Decode and verify rows take the experts in one kernel call (experts_rows): routing, each
+    # touched expert over its rows, the shared expert and its gate, bit for bit the modules' result.
+    experts = served.layers[1].mlp
+    x = torch.randn(rows, served.config.hidden_size, generator=torch.Generator().manual_seed(rows))
+    with torch.inference_mode():
+        fused = experts(x)
+        modules_alone(monkeypatch, experts)
+        assert torch.equal(fused, experts(x))
+
+
+@pytest.mark.parametrize("rows", [1, 4, 32])
+def test_the_hyper_connection_kernels_give_the_modules_numbers(served, monkeypatch, rows):
+    # A hyper-connection's two halves around its block (hyper_mix, hyper_inject), and the final
+    # mixer's, each in one call on a few rows: bit for bit the modules' result.
+    layer, mixer = served.layers[0], served.mixer
+    x = torch.randn(rows, served.config.hc_count * served.config.hidden_size,
+                    generator=torch.Generator().manual_seed(rows))
+    block = torch.nn.Linear(served.config.hidden_size, served.config.hidden_size)
+    with torch.inference_mode():
+        fused = layer.mlp_hyper_connection(x, block), mixer(x)
+        modules_alone(monkeypatch, served)
+        alone = layer.mlp_hyper_connection(x, block), mixer(x)
+    assert all(torch.equal(a, b) for a, b in zip(fused, alone))
 
 
 @pytest.mark.parametrize("override, message", [

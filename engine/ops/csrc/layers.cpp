@@ -111,9 +111,9 @@ void pool_blocks(const Store& kc, const at::Tensor& kpool, const int64_t* slots,
   }
 }
 
-// weight * o / rms(o) * silu(z) per value head, in f32: core [N, H, Dv], z [N, H * Dv] (a view) -> [N, H * Dv],
-// in engine/model/norm.py GatedRMSNorm's order.
-at::Tensor gated_norm(const at::Tensor& core, const at::Tensor& z, const at::Tensor& weight, double eps) {
+// weight * o / rms(o) * act(z) per value head, in f32: core [N, H, Dv], z [N, H * Dv] (a view) -> [N, H * Dv],
+// in engine/model/norm.py GatedRMSNorm's order; act SiLU (Qwen3.5) or the sigmoid (Qwen4-Exp's output_gate_type).
+at::Tensor gated_norm(const at::Tensor& core, const at::Tensor& z, const at::Tensor& weight, double eps, bool sigmoid) {
   const int64_t N = core.size(0), H = core.size(1), Dv = core.size(2);
   const at::Tensor zc = z.to(at::kFloat).contiguous(), w = weight.to(at::kFloat).contiguous();
   at::Tensor out = at::empty({N, H * Dv}, core.options());
@@ -128,22 +128,24 @@ at::Tensor gated_norm(const at::Tensor& core, const at::Tensor& z, const at::Ten
     const float inv = 1.f / std::sqrt(ss / static_cast<float>(Dv) + static_cast<float>(eps));
     for (int64_t c = 0; c < Dv; ++c) {
       const float g = zp[r * Dv + c];
-      y[r * Dv + c] = wp[c] * (on[c] * inv) * (g / (1.f + std::exp(-g)));
+      y[r * Dv + c] = wp[c] * (on[c] * inv) * ((sigmoid ? 1.f : g) / (1.f + std::exp(-g)));
     }
   }
   return out;
 }
 
-// A linear-attention layer's mixer over its normed input h [N, hidden] -> [N, hidden] (its stores written).
+// A linear-attention layer's mixer over its normed input h [N, hidden] -> [N, hidden] (its stores
+// written); its output gate SiLU, or the sigmoid.
 at::Tensor linear_attention(const at::Tensor& h, const Weights& w, int64_t b, const Weights& lin, int64_t l,
-                            const at::Tensor& slots, const at::Tensor& positions, double eps, bool q8) {
+                            const at::Tensor& slots, const at::Tensor& positions, double eps, bool q8,
+                            bool sigmoid_gate = false) {
   const auto get = [&](LinearSlot t) { return *lin.get(l * PER_LINEAR + t); };
   const at::Tensor conv_weight = get(CONV_WEIGHT), state = get(STATE_STORE);
   const int64_t H = state.size(2), Dv = state.size(4), C = conv_weight.size(0);
   const at::Tensor proj = linear(h, w, b, QKV, q8).to(at::kFloat);
   const at::Tensor core = tandem::gated_delta_rows(proj, (C - H * Dv) / 2, conv_weight, get(A), get(DT_BIAS),
                                                    get(K_HEAD), get(CONV_STORE), state, slots, positions);
-  const at::Tensor normed = gated_norm(core, proj.narrow(1, C, H * Dv), get(GATED_NORM), eps);
+  const at::Tensor normed = gated_norm(core, proj.narrow(1, C, H * Dv), get(GATED_NORM), eps, sigmoid_gate);
   return linear(normed.to(h.scalar_type()), w, b, O, q8);
 }
 
@@ -327,6 +329,27 @@ at::Tensor decoder_layers(const at::Tensor& hidden, const Weights& weights, cons
   return x;
 }
 
+// One linear-attention layer's mixer over h [N, hidden], each token a row (decode, verify) at
+// positions[n] of slot slots[n]: a family whose layers are not decoder_layers' (Qwen4-Exp) runs its
+// Gated DeltaNet in one call. weights: the input projection's and out_proj's (weight, scale, bias);
+// tensors: the layer's PER_LINEAR tensors and stores, as decoder_layers takes them.
+at::Tensor gated_delta_mixer(const at::Tensor& h, const Weights& weights, const Weights& tensors,
+                             const at::Tensor& slots, const at::Tensor& positions, double eps, bool sigmoid_gate,
+                             bool q8_activations) {
+  TORCH_CHECK(h.dim() == 2 && weights.size() == 6 && static_cast<int64_t>(tensors.size()) == PER_LINEAR &&
+                  slots.numel() == h.size(0) && positions.numel() == h.size(0),
+              "gated_delta_mixer: h [N, hidden], the two projections' (weight, scale, bias), ", PER_LINEAR,
+              " tensors and one slot and position per row expected");
+  Weights layer;
+  for (int64_t i = 0; i < PER_LAYER; ++i) layer.push_back(c10::nullopt);
+  for (int64_t i = 0; i < 3; ++i) {
+    layer.set(QKV + i, weights.get(i));
+    layer.set(O + i, weights.get(3 + i));
+  }
+  return linear_attention(h, layer, 0, tensors, 0, slots.to(at::kLong).contiguous(),
+                          positions.to(at::kLong).contiguous(), eps, q8_activations, sigmoid_gate);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(tandem, m) {
@@ -334,6 +357,11 @@ TORCH_LIBRARY_FRAGMENT(tandem, m) {
         "Tensor?[] v_scales, Tensor?[] kpools, "
         "int[] ratios, int[] budgets, Tensor slots, Tensor positions, Tensor cos, Tensor sin, int heads, int kv_heads, "
         "float eps, Tensor? rope_positions=None, Tensor? pages=None, Tensor?[]? linear_layers=None, bool q8_activations=False) -> Tensor");
+  m.def("gated_delta_mixer(Tensor h, Tensor?[] weights, Tensor?[] tensors, Tensor slots, Tensor positions, float eps, "
+        "bool sigmoid_gate, bool q8_activations=False) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(tandem, CPU, m) { m.impl("decoder_layers", decoder_layers); }
+TORCH_LIBRARY_IMPL(tandem, CPU, m) {
+  m.impl("decoder_layers", decoder_layers);
+  m.impl("gated_delta_mixer", gated_delta_mixer);
+}

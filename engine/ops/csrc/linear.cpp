@@ -845,6 +845,13 @@ at::Tensor linear_rows(const at::Tensor& x, const at::Tensor& weight, const c10:
   return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
 }
 
+at::Tensor linear_at(const at::Tensor& x, const c10::List<c10::optional<at::Tensor>>& w, int64_t i, bool q8_activations,
+                     const char* op) {
+  const c10::optional<at::Tensor> weight = w.get(i);
+  TORCH_CHECK(weight.has_value(), op, ": weight ", i, " is missing");
+  return linear_rows(x, *weight, w.get(i + 1), w.get(i + 2), q8_activations);
+}
+
 }  // namespace tandem
 
 TORCH_LIBRARY_FRAGMENT(tandem, m) {

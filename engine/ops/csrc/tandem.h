@@ -16,6 +16,10 @@ namespace tandem {
 // 32 to 8 bits (where q8_activations_supported()).
 at::Tensor linear_rows(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& scale,
                        const c10::optional<at::Tensor>& bias, bool q8_activations = false);
+// linear_rows over x with the (weight, scale, bias) at w[i], w[i+1], w[i+2] of a kernel's list of
+// weights (layers.cpp, experts.cpp, ...); a missing weight is an error naming `op` and i.
+at::Tensor linear_at(const at::Tensor& x, const c10::List<c10::optional<at::Tensor>>& w, int64_t i, bool q8_activations,
+                     const char* op);
 // Whether this build (the CPU it was compiled for) has linear_rows' 8-bit activation path.
 bool q8_activations_supported();
 
