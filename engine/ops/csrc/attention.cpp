@@ -203,6 +203,12 @@ constexpr int64_t SPAN = 512;
 // value comes from memory once for all of them, from the L1 cache for the second and later.
 constexpr int64_t BLOCK_ROWS = 8;
 
+// From this head_dim on, an f32 work item takes all the query heads of one kv head, as a q8_0 one
+// does: a span's keys and values (512 x 256 x 4 bytes each at head_dim 256) outgrow the L2 cache,
+// and each query head of a group read them from memory again. One head an item took a 2,052-key
+// row of Qwen4-Exp's (8 heads on 2 kv heads of 256) 400 us, where torch's kernel took 226.
+constexpr int64_t WIDE_HEAD = 128;
+
 // A work item's rows: rows first .. first+n-1 of the call, all of one slot.
 struct Block {
   int64_t first, n;
@@ -210,20 +216,22 @@ struct Block {
 
 // attend() for f32 queries and head_dim = 16 * NC, on f32 or q8_0 caches: head(slot, kv head) gives
 // that head's keys and values as F32Rows or Q8Rows. A work item is one block of rows, one span of
-// keys and one query head, or for q8_0 all the query heads of one kv head (its keys are dequantized
-// once for all of them): it scores its queries' keys in that span 16 at a time (one run of rows in
-// either layout) and leaves each (row, head)'s partial result (the largest score, the sum of
-// exponentials, the values weighted by them) for the merge. Before, each row streamed every key
-// from memory on its own, and a verify block of 4 rows at 5,200 keys cost 2.1x a decode row. A
-// row's result depends only on its own query, length and last position, as in attend(), so a verify
-// row equals the decode row it stands for, whatever rows share its block.
+// keys and one query head, or for q8_0 (its keys are dequantized once for all of them) and for
+// wide heads (WIDE_HEAD) all the query heads of one kv head: it scores its queries' keys in that
+// span 16 at a time (one run of rows in either layout) and leaves each (row, head)'s partial
+// result (the largest score, the sum of exponentials, the values weighted by them) for the merge.
+// Before, each row streamed every key from memory on its own, and a verify block of 4 rows at
+// 5,200 keys cost 2.1x a decode row. A row's result depends only on its own query, length and
+// last position, as in attend(), so a verify row equals the decode row it stands for, whatever
+// rows share its block.
 template <int NC, typename Head>
 void attend_runs(const float* q, Head&& head, float* out, const int64_t* slots, const int64_t* lengths,
                  const int64_t* last, int64_t R, int64_t H, int64_t KVH, const Layout& at, float scale) {
   using Rows = std::decay_t<decltype(head(0, 0).first)>;
   constexpr int64_t D = 16 * NC, PART = D + 2;  // a partial result: D weighted values, largest, sum
   const int64_t group = H / KVH, max_len = *std::max_element(lengths, lengths + R);
-  const int64_t heads = Rows::copies ? group : 1, head_items = H / heads;  // query heads an item takes
+  // The query heads an item takes.
+  const int64_t heads = Rows::copies || D >= WIDE_HEAD ? group : 1, head_items = H / heads;
   const int64_t spans = (max_len + SPAN - 1) / SPAN;
   std::vector<Block> blocks;
   for (int64_t r = 0; r < R; ++r) {
