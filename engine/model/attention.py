@@ -94,7 +94,13 @@ class Attention(nn.Module):
             if selected is None:
                 keys, values = cache.read(layer, row.slot, row.start + t)
             elif t == 1:
-                (keys, values), mask = cache.read_at(layer, row.slot, selected[0].nonzero()[:, 0]), None
+                positions = selected[0].nonzero()[:, 0]
+                at = cache.rows_at(layer, row.slot, positions, q.dtype) if kernels.usable(q) \
+                    and q.dtype == torch.float32 else None
+                if at is not None:  # read where they lie, not gathered first
+                    out[sl] = kernels.attend_at(q[sl][0], *at, self.head_dim ** -0.5)[None]
+                    continue
+                (keys, values), mask = cache.read_at(layer, row.slot, positions), None
             else:
                 index = selected.any(0).nonzero()[:, 0]  # the union of the queries' selections
                 (keys, values), mask = cache.read_at(layer, row.slot, index), selected[:, index]

@@ -92,9 +92,14 @@ def _kernel_view(k, v, kpool, pages, dtype: torch.dtype) -> KernelView | None:
     kpool = None if kpool is None else as_slots(kpool)
     if isinstance(k, Q8Storage) and isinstance(v, Q8Storage) and dtype == torch.float32:
         return KernelView(as_slots(k.q), as_slots(v.q), kpool, pages, as_slots(k.scale), as_slots(v.scale))
-    if isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor) and k.dtype == dtype and v.dtype == dtype:
+    if _holds(k, v, dtype):
         return KernelView(as_slots(k), as_slots(v), kpool, pages)
     return None
+
+
+def _holds(k, v, dtype: torch.dtype) -> bool:
+    """Whether a layer's K and V both hold floats of `dtype` (not q8_0)."""
+    return all(isinstance(t, torch.Tensor) and t.dtype == dtype for t in (k, v))
 
 
 def _copy(store, dst, src) -> None:
@@ -317,6 +322,12 @@ class KVCache(_Stores):
         kernels then read it in place); None when they do not."""
         return _kernel_view(self.k[layer], self.v[layer], self.kpool[layer], None, dtype)
 
+    def rows_at(self, layer: int, slot: int, positions: torch.Tensor, dtype: torch.dtype) -> tuple | None:
+        """(K, V [kv_heads, rows, head_dim], the rows of the slot's `positions` in them): where a
+        sparse query's keys lie, for a kernel to read in place; None unless both hold `dtype`."""
+        k, v = self.k[layer], self.v[layer]
+        return (k[slot], v[slot], positions) if _holds(k, v, dtype) else None
+
     def write_tokens(self, layer: int, slots: torch.Tensor, positions: torch.Tensor, k: torch.Tensor,
                      v: torch.Tensor) -> None:
         """One token per row: k, v [R, kv_heads, head_dim] at positions[r] of slots[r]."""
@@ -487,6 +498,10 @@ class PagedKVCache(_Stores):
     def read_at(self, layer: int, slot: int, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         rows = self._index[slot][positions].to(self.devices[layer])
         return self.k[layer].index_select(1, rows), self.v[layer].index_select(1, rows)
+
+    def rows_at(self, layer: int, slot: int, positions: torch.Tensor, dtype: torch.dtype) -> tuple | None:
+        k, v = self.k[layer], self.v[layer]
+        return (k, v, self._index[slot][positions]) if _holds(k, v, dtype) else None
 
     def read(self, layer: int, slot: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """[kv_heads, length, head_dim]: a view when the slot's pages are contiguous, else a gather."""

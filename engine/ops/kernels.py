@@ -152,6 +152,12 @@ def decoder_layers(x: torch.Tensor, weights: list[torch.Tensor | None], k_cache:
                                  heads, kv_heads, eps, rope_positions, pages, linear_layers, q8_activations)
 
 
+def attend_at(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor, scale: float) -> torch.Tensor:
+    """One query q [H, D] against the keys and values at `rows` of a slot's storage k, v [KVH, rows,
+    D] (f32, read in place: a QSA query's selected positions) -> [H, D]."""
+    return _ops().attend_at(q, k, v, rows, scale)
+
+
 def experts_rows(x: torch.Tensor, weights: list[torch.Tensor | None], top_k: int, norm_top_k: bool,
                  q8_activations: bool = False) -> torch.Tensor:
     """A mixture-of-experts MLP over x [N, hidden] as engine/model/experts.py computes it, for small

@@ -94,6 +94,12 @@ void attend(const T* q, const T* k, const T* v, T* out, const int64_t* slots, co
   });
 }
 
+// Keys a work item reads: positions [SPAN * c, SPAN * (c + 1)) of a row's, span c. A row longer than
+// a span is split (as flash-decoding splits it), its spans' partial results merged by their
+// largest scores: at 5,200 keys a decode row's 9 heads gave two threads 9 items, one idle a ninth
+// of the time, where 11 spans a head give 99. A row's spans depend on its own length only.
+constexpr int64_t SPAN = 512;
+
 #ifdef __AVX512F__
 
 // Lane i of the result: the sum of v[i]'s 16 lanes. Sixteen dot products finish in 45 operations,
@@ -192,12 +198,6 @@ struct Q8Rows {
     prefetch_row(scales + row * per_row, 16 * per_row);
   }
 };
-
-// Keys a work item reads: positions [SPAN * c, SPAN * (c + 1)) of a row's, span c. A row longer than
-// a span is split (as flash-decoding splits it), its spans' partial results merged by their
-// largest scores: at 5,200 keys a decode row's 9 heads gave two threads 9 items, one idle a ninth
-// of the time, where 11 spans a head give 99. A row's spans depend on its own length only.
-constexpr int64_t SPAN = 512;
 
 // Consecutive rows of one slot (a verify block) share a work item, up to this many: each key and
 // value comes from memory once for all of them, from the L1 cache for the second and later.
@@ -466,11 +466,96 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   return out;
 }
 
+// One query q [H, D] f32 against the keys and values at rows[0 .. m-1] of a slot's storage k, v
+// [KVH, rows, D] f32 (last axis contiguous) -> [H, D]: a QSA query past its budget, attending its
+// selected blocks and its tail where they lie, in place of a gathered copy (two copies of about
+// 2,050 rows of 2 kv heads of 256 took 1.2 ms a layer at 8k, cold; the attention itself 0.6). A
+// work item is one kv head's group of query heads over one span of rows, which it reads once;
+// spans merge by their largest scores, as decode_attention's do.
+at::Tensor attend_at(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& rows,
+                     double scale) {
+  TORCH_CHECK(q.dim() == 2 && k.dim() == 3 && v.sizes() == k.sizes() && q.size(1) == k.size(2) &&
+                  q.size(0) % k.size(0) == 0 && q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat &&
+                  v.scalar_type() == at::kFloat && k.stride(2) == 1 && v.stride(2) == 1 && v.strides() == k.strides(),
+              "attend_at: q [H, D] and k, v [KVH, rows, D] in f32 (KVH dividing H, D contiguous) expected, got ",
+              q.sizes(), ", ", k.sizes(), ", ", v.sizes());
+  const at::Tensor index = rows.to(at::kLong).contiguous(), qc = q.contiguous();
+  const int64_t H = q.size(0), D = q.size(1), KVH = k.size(0), group = H / KVH, m = index.numel();
+  const int64_t* ip = index.data_ptr<int64_t>();
+  TORCH_CHECK(m > 0, "attend_at: no rows to attend");
+  for (int64_t l = 0; l < m; ++l)
+    TORCH_CHECK(ip[l] >= 0 && ip[l] < k.size(1), "attend_at: row ", ip[l], " outside ", k.size(1), " rows");
+  const int64_t spans = (m + SPAN - 1) / SPAN, PART = D + 2;
+  std::vector<float> parts(KVH * spans * group * PART);  // [KVH, spans, group, PART]
+  const float *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>(), *qp = qc.data_ptr<float>();
+  const int64_t head_stride = k.stride(0), row_stride = k.stride(1);
+  at::parallel_for(0, KVH * spans, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(group * SPAN);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t g = item / spans, c = item % spans, from = c * SPAN, n = std::min(SPAN, m - from);
+      const float* kh = kp + g * head_stride;
+      const float* vh = vp + g * head_stride;
+      const float* qg = qp + g * group * D;
+      for (int64_t l = 0; l < n; ++l) {
+        if (l + PREFETCH_ROWS < n) prefetch_row(kh + ip[from + l + PREFETCH_ROWS] * row_stride, D);
+        const float* key = kh + ip[from + l] * row_stride;
+        for (int64_t j = 0; j < group; ++j) {
+          const float* qj = qg + j * D;
+          float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+          for (int64_t i = 0; i < D; ++i) dot += qj[i] * key[i];
+          scores[j * SPAN + l] = dot * static_cast<float>(scale);
+        }
+      }
+      for (int64_t j = 0; j < group; ++j) {
+        float* sj = scores.data() + j * SPAN;
+        float* pj = parts.data() + ((g * spans + c) * group + j) * PART;
+        const float top = *std::max_element(sj, sj + n);
+        float total = 0.f;
+        for (int64_t l = 0; l < n; ++l) total += sj[l] = std::exp(sj[l] - top);
+        std::fill(pj, pj + D, 0.f);
+        pj[D] = top, pj[D + 1] = total;
+      }
+      for (int64_t l = 0; l < n; ++l) {
+        if (l + PREFETCH_ROWS < n) prefetch_row(vh + ip[from + l + PREFETCH_ROWS] * row_stride, D);
+        const float* value = vh + ip[from + l] * row_stride;
+        for (int64_t j = 0; j < group; ++j) {
+          float* pj = parts.data() + ((g * spans + c) * group + j) * PART;
+          const float w = scores[j * SPAN + l];
+#pragma omp simd
+          for (int64_t i = 0; i < D; ++i) pj[i] += w * value[i];
+        }
+      }
+    }
+  });
+  at::Tensor out = at::empty({H, D}, qc.options());
+  float* o = out.data_ptr<float>();
+  for (int64_t h = 0; h < H; ++h) {  // the spans of query head h merged by their largest scores
+    const int64_t g = h / group, j = h % group;
+    const auto part = [&](int64_t c) { return parts.data() + ((g * spans + c) * group + j) * PART; };
+    float top = -INFINITY;
+    for (int64_t c = 0; c < spans; ++c) top = std::max(top, part(c)[D]);
+    float total = 0.f;
+    std::fill(o + h * D, o + h * D + D, 0.f);
+    for (int64_t c = 0; c < spans; ++c) {
+      const float w = std::exp(part(c)[D] - top);
+      total += w * part(c)[D + 1];
+      for (int64_t i = 0; i < D; ++i) o[h * D + i] += w * part(c)[i];
+    }
+    for (int64_t i = 0; i < D; ++i) o[h * D + i] /= total;
+  }
+  return out;
+}
+
 }  // namespace tandem
 
 TORCH_LIBRARY_FRAGMENT(tandem, m) {
   m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor slots, Tensor lengths, float scale, Tensor? last=None, "
         "Tensor? pages=None, Tensor? k_scale=None, Tensor? v_scale=None) -> Tensor");
+  m.def("attend_at(Tensor q, Tensor k, Tensor v, Tensor rows, float scale) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(tandem, CPU, m) { m.impl("decode_attention", tandem::decode_attention); }
+TORCH_LIBRARY_IMPL(tandem, CPU, m) {
+  m.impl("decode_attention", tandem::decode_attention);
+  m.impl("attend_at", tandem::attend_at);
+}
