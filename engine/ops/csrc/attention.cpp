@@ -416,11 +416,18 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   TORCH_CHECK(H % KVH == 0, "decode_attention: kv heads (", KVH, ") must divide heads (", H, ")");
   TORCH_CHECK(slots.numel() == R && lengths.numel() == R, "decode_attention: one slot and one length per row");
   const at::Tensor s = slots.to(at::kLong).contiguous(), n = lengths.to(at::kLong).contiguous();
-  const at::Tensor own = last.has_value() ? last->to(at::kLong).contiguous() : n - 1;
-  TORCH_CHECK(own.numel() == R, "decode_attention: one last position per row");
+  const at::Tensor own = last.has_value() ? last->to(at::kLong).contiguous() : at::Tensor();
+  TORCH_CHECK(!own.defined() || own.numel() == R, "decode_attention: one last position per row");
   const int64_t* sp = s.data_ptr<int64_t>();
   const int64_t* np = n.data_ptr<int64_t>();
-  const int64_t* op = own.data_ptr<int64_t>();
+  // Without `last`, each row's lengths - 1: a tensor op's dispatch cost more than the attention of
+  // a short decode row.
+  std::vector<int64_t> ends;
+  if (!own.defined()) {
+    ends.assign(np, np + R);
+    for (int64_t& e : ends) --e;
+  }
+  const int64_t* op = own.defined() ? own.data_ptr<int64_t>() : ends.data();
   for (int64_t r = 0; r < R; ++r)
     TORCH_CHECK(sp[r] >= 0 && sp[r] < S && np[r] >= 1 && np[r] <= C && op[r] >= np[r] - 1 && op[r] < C,
                 "decode_attention: row ", r, " reads slot ", sp[r], " length ", np[r], " last position ", op[r],
