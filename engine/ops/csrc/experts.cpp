@@ -6,7 +6,8 @@
 // a dispatch of several microseconds: at 16 layers about 6 ms of a 41 ms step, as much as the
 // experts' weights take to stream. Here the same ops run back to back in C++ in the order
 // experts.py runs them (the rows of each touched expert in one product, experts in index order,
-// each row's sum started from zero, the shared expert added last), so the numbers are the same.
+// each row's sum started from zero, the shared expert added last), the elementwise ones as loops
+// that round as torch's kernels do (elementwise.cpp), so the numbers are the same.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
@@ -25,10 +26,8 @@ constexpr int64_t PER_EXPERT = 6;
 
 // down(silu(gate(x)) * up(x)), gate and up one projection [gate | up] at slot i, down at i + 3.
 at::Tensor mlp(const at::Tensor& x, const Weights& w, int64_t i, bool q8) {
-  const at::Tensor gate_up = tandem::linear_at(x, w, i, q8, "experts_rows");
-  const int64_t inter = gate_up.size(1) / 2;
-  const at::Tensor act = at::silu(gate_up.narrow(1, 0, inter)) * gate_up.narrow(1, inter, inter);
-  return tandem::linear_at(act, w, i + 3, q8, "experts_rows");
+  return tandem::linear_at(tandem::silu_mul(tandem::linear_at(x, w, i, q8, "experts_rows")), w, i + 3, q8,
+                           "experts_rows");
 }
 
 at::Tensor experts_rows(const at::Tensor& x, const Weights& weights, int64_t top_k, bool norm_top_k, bool q8) {
@@ -58,13 +57,19 @@ at::Tensor experts_rows(const at::Tensor& x, const Weights& weights, int64_t top
   for (int64_t e = 0; e < count; ++e) {
     if (rows[e].empty()) continue;
     const int64_t n = static_cast<int64_t>(rows[e].size());
-    const at::Tensor index = at::from_blob(rows[e].data(), {n}, at::kLong);
-    // Rounded to x's dtype after the gather, as experts.py rounds before it: the same numbers.
-    const at::Tensor weight = at::from_blob(share[e].data(), {n, 1}, at::kFloat).to(x.scalar_type());
-    out.index_add_(0, index, mlp(x.index_select(0, index), weights, EXPERTS + e * PER_EXPERT, q8) * weight);
+    // A lone row (decode) is x itself, not a gathered copy.
+    const at::Tensor taken = N == 1 && x.is_contiguous() ? x : x.index_select(0, at::from_blob(rows[e].data(), {n}, at::kLong));
+    at::Tensor y = mlp(taken, weights, EXPERTS + e * PER_EXPERT, q8);
+    // Each share rounded to x's dtype after the gather, as experts.py rounds before it.
+    tandem::scaled_rows_add(out, rows[e].data(), y, share[e].data());
   }
-  const at::Tensor gate = at::sigmoid(tandem::linear_at(x, weights, SHARED_GATE, q8, "experts_rows"));
-  return out + gate * mlp(x, weights, SHARED_MLP, q8);
+  const at::Tensor gate = at::sigmoid(tandem::linear_at(x, weights, SHARED_GATE, q8, "experts_rows")).contiguous();
+  at::Tensor shared = mlp(x, weights, SHARED_MLP, q8);
+  std::vector<int64_t> every(N);
+  for (int64_t n = 0; n < N; ++n) every[n] = n;
+  const at::Tensor gates = gate.to(at::kFloat).contiguous();
+  tandem::scaled_rows_add(out, every.data(), shared, gates.data_ptr<float>());
+  return out;
 }
 
 }  // namespace

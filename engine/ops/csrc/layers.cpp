@@ -28,11 +28,6 @@
 #include <cstring>
 #include <vector>
 
-#ifdef __AVX512F__
-#include <immintrin.h>
-#include <sleef.h>
-#endif
-
 #include "tandem.h"
 
 namespace {
@@ -63,54 +58,9 @@ at::Tensor linear(const at::Tensor& x, const Weights& w, int64_t base, Slot s, b
 // Rows of qk [N, heads, D] normalised per head, in place.
 void norm_heads(at::Tensor qk, const at::Tensor& weight, double eps) { qk.copy_(tandem::rms_norm(qk, weight, eps)); }
 
-// The residual stream's update x += y in place: x is this call's own copy. In f32 a loop here, the
-// one rounding of each sum as torch's add makes it; an elementwise op from C++ cost a decode step
-// 2-3 us to dispatch and plan (TensorIterator), and five a layer were a tenth of a 5 ms step of
-// the default model.
-void add_to(at::Tensor& x, const at::Tensor& y) {
-  if (x.scalar_type() != at::kFloat || y.scalar_type() != at::kFloat || !y.is_contiguous()) {
-    x.add_(y);
-    return;
-  }
-  float* xp = x.data_ptr<float>();
-  const float* yp = y.data_ptr<float>();
-  for (int64_t i = 0, n = x.numel(); i < n; ++i) xp[i] += yp[i];
-}
-
-// silu(gate) * up for gate_up [N, 2 I] -> [N, I]: in f32 computed as torch's CPU kernels compute
-// it, so the numbers are theirs: silu x / (1 + e^-x) with SLEEF's e^x (1 ulp) 16 lanes at a time
-// and std::exp for a row's last I % 16, then the product, each rounded once.
-at::Tensor silu_mul(const at::Tensor& gate_up) {
-  const int64_t N = gate_up.size(0), I = gate_up.size(1) / 2;
-#ifdef __AVX512F__
-  if (gate_up.scalar_type() == at::kFloat && gate_up.is_contiguous()) {
-    at::Tensor out = at::empty({N, I}, gate_up.options());
-    const float* g = gate_up.data_ptr<float>();
-    float* o = out.data_ptr<float>();
-    const __m512 one = _mm512_set1_ps(1.f);
-    for (int64_t n = 0; n < N; ++n) {
-      const float *gn = g + n * 2 * I, *un = gn + I;
-      float* on = o + n * I;
-      int64_t i = 0;
-      for (; i + 16 <= I; i += 16) {
-        const __m512 x = _mm512_loadu_ps(gn + i);
-        const __m512 silu = _mm512_div_ps(x, _mm512_add_ps(one, Sleef_expf16_u10(_mm512_sub_ps(_mm512_setzero_ps(), x))));
-        _mm512_storeu_ps(on + i, _mm512_mul_ps(silu, _mm512_loadu_ps(un + i)));
-      }
-      for (; i < I; ++i) {
-        const float silu = gn[i] / (1.f + std::exp(-gn[i]));
-        on[i] = silu * un[i];
-      }
-    }
-    return out;
-  }
-#endif
-  return at::silu(gate_up.narrow(1, 0, I)) * gate_up.narrow(1, I, I);
-}
-
 // The MLP's output for x [N, hidden] of layer b: down(silu(gate) * up).
 at::Tensor mlp(const at::Tensor& x, const Weights& w, int64_t b, double eps, bool q8) {
-  return linear(silu_mul(linear(tandem::rms_norm(x, required(w, b + POST_NORM), eps), w, b, GATE_UP, q8)), w, b, DOWN,
+  return linear(tandem::silu_mul(linear(tandem::rms_norm(x, required(w, b + POST_NORM), eps), w, b, GATE_UP, q8)), w, b, DOWN,
                 q8);
 }
 
@@ -319,9 +269,9 @@ at::Tensor decoder_layers(const at::Tensor& hidden, const Weights& weights, cons
   for (int64_t l = 0; l < layers; ++l) {
     const int64_t b = l * PER_LAYER;
     if (!lin.empty() && lin.get(l * PER_LINEAR).has_value()) {  // a linear-attention (recurrent) layer
-      add_to(x, linear_attention(tandem::rms_norm(x, required(weights, b + IN_NORM), eps), weights, b, lin, l, s, p,
+      tandem::add_to(x, linear_attention(tandem::rms_norm(x, required(weights, b + IN_NORM), eps), weights, b, lin, l, s, p,
                                  eps, q8_activations));
-      add_to(x, mlp(x, weights, b, eps, q8_activations));
+      tandem::add_to(x, mlp(x, weights, b, eps, q8_activations));
       continue;
     }
     Store ks{k_cache[l], k_scales.get(l)}, vs{v_cache[l], v_scales.get(l)};
@@ -375,8 +325,8 @@ at::Tensor decoder_layers(const at::Tensor& hidden, const Weights& weights, cons
     at::Tensor attn = attend_rows(qkv.narrow(1, 0, heads), ks, vs, kpool, s, p, lengths, last, ratio,
                                   ratio ? budgets[l] / ratio : 0, pages);
     if (gated) attn = attn * at::sigmoid(qkv.narrow(1, heads + 2 * kv_heads, heads));
-    add_to(x, linear(attn.reshape({N, heads * D}), weights, b, O, q8_activations));
-    add_to(x, mlp(x, weights, b, eps, q8_activations));
+    tandem::add_to(x, linear(attn.reshape({N, heads * D}), weights, b, O, q8_activations));
+    tandem::add_to(x, mlp(x, weights, b, eps, q8_activations));
   }
   return x;
 }

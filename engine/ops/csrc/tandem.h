@@ -7,6 +7,22 @@
 
 namespace tandem {
 
+// Elementwise steps between the products of a kernel (elementwise.cpp), computed as torch's CPU
+// kernels compute them, so a kernel gives the numbers its module gives: from C++ each torch op
+// still costs 2-3 us to dispatch and plan, several a layer. In f32 (silu and the sigmoid with
+// AVX-512); other dtypes go through torch's ops.
+// x += y, in place.
+void add_to(at::Tensor& x, const at::Tensor& y);
+// silu(gate) * up for gate_up [N, 2 I] -> [N, I].
+at::Tensor silu_mul(const at::Tensor& gate_up);
+// silu(x) and sigmoid(x), x's shape. A contiguous x is one run of numel values, as torch takes it
+// (silu_mul's rows, views into gate_up, are runs of their own).
+at::Tensor silu(const at::Tensor& x);
+at::Tensor sigmoid(const at::Tensor& x);
+// out[rows[k]] += y[k] * weights[k] for y [n, D], out [M, D]: index_add_ of y scaled per row; y is
+// scaled in place.
+void scaled_rows_add(at::Tensor& out, const int64_t* rows, at::Tensor& y, const float* weights);
+
 // x [M, K] @ weight [N, K]^T * scale [N] + bias [N] -> [M, N] in x's dtype; weight f32, bf16, int8,
 // uint8 [N, K / 32 * B]: rows of GGUF blocks of B bytes (18 Q4_0, 20 Q4_1, 22 Q5_0, 24 Q5_1, 34 Q8_0),
 // or uint8 [N, K / 256, B]: rows of K-quant super-blocks (144 Q4_K, 176 Q5_K, 210 Q6_K), or a stacked
