@@ -58,16 +58,18 @@ at::Tensor experts_rows(const at::Tensor& x, const Weights& weights, int64_t top
     if (rows[e].empty()) continue;
     const int64_t n = static_cast<int64_t>(rows[e].size());
     // A lone row (decode) is x itself, not a gathered copy.
-    const at::Tensor taken = N == 1 && x.is_contiguous() ? x : x.index_select(0, at::from_blob(rows[e].data(), {n}, at::kLong));
+    const at::Tensor taken =
+        N == 1 && x.is_contiguous() ? x : x.index_select(0, at::from_blob(rows[e].data(), {n}, at::kLong));
     at::Tensor y = mlp(taken, weights, EXPERTS + e * PER_EXPERT, q8);
     // Each share rounded to x's dtype after the gather, as experts.py rounds before it.
     tandem::scaled_rows_add(out, rows[e].data(), y, share[e].data());
   }
-  const at::Tensor gate = at::sigmoid(tandem::linear_at(x, weights, SHARED_GATE, q8, "experts_rows")).contiguous();
+  // The shared expert's rows scaled by their gates, each row added to itself.
+  const at::Tensor gates =
+      at::sigmoid(tandem::linear_at(x, weights, SHARED_GATE, q8, "experts_rows")).to(at::kFloat).contiguous();
   at::Tensor shared = mlp(x, weights, SHARED_MLP, q8);
   std::vector<int64_t> every(N);
   for (int64_t n = 0; n < N; ++n) every[n] = n;
-  const at::Tensor gates = gate.to(at::kFloat).contiguous();
   tandem::scaled_rows_add(out, every.data(), shared, gates.data_ptr<float>());
   return out;
 }

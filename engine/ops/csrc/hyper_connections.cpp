@@ -54,7 +54,8 @@ std::tuple<at::Tensor, at::Tensor> hyper_mix(const at::Tensor& x, const at::Tens
   const at::Tensor each = at::rms_norm(x.to(at::kFloat).unflatten(-1, {streams, hidden}), {hidden}, c10::nullopt, eps);
   const at::Tensor normed = norm_weight * each.flatten(-2).to(x.scalar_type());
   const at::Tensor down = tandem::linear_at(normed, weights, 0, q8, "hyper_mix");
-  const at::Tensor mixing = tandem::sigmoid(tandem::linear_at(tandem::silu(down / streams), weights, 3, q8, "hyper_mix"));
+  const at::Tensor mixing =
+      tandem::sigmoid(tandem::linear_at(tandem::silu(down / streams), weights, 3, q8, "hyper_mix"));
   return {mean_over_streams(mixing, normed, streams), normed};
 }
 
@@ -78,7 +79,8 @@ at::Tensor hyper_inject(const at::Tensor& x, const at::Tensor& normed, const at:
   float* rp = result.data_ptr<float>();
   for (int64_t n = 0; n < N; ++n)
     for (int64_t t = 0; t < streams; ++t)
-      for (int64_t j = 0; j < hidden; ++j) rp[(n * streams + t) * hidden + j] = op[n * hidden + j] * sp[n * streams + t];
+      for (int64_t j = 0; j < hidden; ++j)
+        rp[(n * streams + t) * hidden + j] = op[n * hidden + j] * sp[n * streams + t];
   tandem::add_to(result, x.contiguous());
   return result;
 }

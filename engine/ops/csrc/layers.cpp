@@ -60,8 +60,8 @@ void norm_heads(at::Tensor qk, const at::Tensor& weight, double eps) { qk.copy_(
 
 // The MLP's output for x [N, hidden] of layer b: down(silu(gate) * up).
 at::Tensor mlp(const at::Tensor& x, const Weights& w, int64_t b, double eps, bool q8) {
-  return linear(tandem::silu_mul(linear(tandem::rms_norm(x, required(w, b + POST_NORM), eps), w, b, GATE_UP, q8)), w, b, DOWN,
-                q8);
+  const at::Tensor gate_up = linear(tandem::rms_norm(x, required(w, b + POST_NORM), eps), w, b, GATE_UP, q8);
+  return linear(tandem::silu_mul(gate_up), w, b, DOWN, q8);
 }
 
 using tandem::Layout;
@@ -269,8 +269,8 @@ at::Tensor decoder_layers(const at::Tensor& hidden, const Weights& weights, cons
   for (int64_t l = 0; l < layers; ++l) {
     const int64_t b = l * PER_LAYER;
     if (!lin.empty() && lin.get(l * PER_LINEAR).has_value()) {  // a linear-attention (recurrent) layer
-      tandem::add_to(x, linear_attention(tandem::rms_norm(x, required(weights, b + IN_NORM), eps), weights, b, lin, l, s, p,
-                                 eps, q8_activations));
+      const at::Tensor normed = tandem::rms_norm(x, required(weights, b + IN_NORM), eps);
+      tandem::add_to(x, linear_attention(normed, weights, b, lin, l, s, p, eps, q8_activations));
       tandem::add_to(x, mlp(x, weights, b, eps, q8_activations));
       continue;
     }
