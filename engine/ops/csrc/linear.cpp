@@ -488,13 +488,15 @@ void qblock(const B* w, int64_t ldw, const QuantizedRows& x, int64_t j0, const f
 // qblock's outputs for many rows (a prompt chunk): R channels x M rows in registers, each group's
 // R unpacked weights read by every row and each row's quantized x by every channel, so that a
 // group costs its dot products and little besides. Every output is qblock's sum in qblock's order.
+// Formats without minima only (q8_0, q4_0, q5_0): q8_run says why.
 template <int R, int M, typename B>
 void qtile(const B* w, int64_t ldw, const QuantizedRows& x, int64_t j0, const float* bias, float* out, int64_t ldo) {
+  static_assert(!HAS_MIN<B>, "qtile: a format with minima takes qblock");
   __m512 acc[R][M] = {};
   static const GroupIndex<B> index;
   const auto group = [&](int64_t b, int blocks) __attribute__((always_inline)) {
     __m512i lo[R], hi[R];
-    __m512 d[R], m[R];
+    __m512 d[R], m[R];  // m: unpack fills it only for a format with minima
 #pragma GCC unroll 8
     for (int i = 0; i < R; ++i) unpack(w + i * ldw + b, blocks, lo[i], hi[i], d[i], m[i], index);
 #pragma GCC unroll 8
@@ -509,8 +511,6 @@ void qtile(const B* w, int64_t ldw, const QuantizedRows& x, int64_t j0, const fl
       for (int i = 0; i < R; ++i) {
         const __m512i s = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(start, lo[i], q0), hi[i], q1);
         acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(d[i], dx), acc[i][j]);
-        if constexpr (HAS_MIN<B>)
-          acc[i][j] = _mm512_fmadd_ps(m[i], _mm512_loadu_ps(x.lane_sums + (row * x.groups + b / 4) * 16), acc[i][j]);
       }
     }
   };
@@ -723,14 +723,17 @@ void q8_run(const B* w, int64_t ldw, const float* x, int64_t M, int64_t N, int64
   const QuantizedRows q = quantize_rows(x, M, ldw, ROW_SUMS<B>);
   // A prompt chunk in qtile's 6 channels x 3 rows: on Zen 4 1.1-1.2x qblock's 2 x 8 from 32 rows up (a
   // 512-row chunk 1.2x), level at 16. Fewer rows are bound by the weights' stream, which qblock's
-  // channel-major order and prefetch keep up with better.
-  if (M >= 16) {
-    return tiles<6, 3>(M, N, K, [&](auto r, int64_t n0, int64_t m0, int64_t m) {
-      with_rows<3>(m, [&](auto rows) {
-        qtile<decltype(r)::value, decltype(rows)::value>(w + n0 * ldw, ldw, q, m0, offset_by(bias, n0),
-                                                         out + m0 * ldo + n0, ldo);
+  // channel-major order and prefetch keep up with better. A format with minima (q4_1, q5_1) needs 6
+  // more registers than the tile leaves and gained nothing: it keeps qblock's.
+  if constexpr (!HAS_MIN<B>) {
+    if (M >= 16) {
+      return tiles<6, 3>(M, N, K, [&](auto r, int64_t n0, int64_t m0, int64_t m) {
+        with_rows<3>(m, [&](auto rows) {
+          qtile<decltype(r)::value, decltype(rows)::value>(w + n0 * ldw, ldw, q, m0, offset_by(bias, n0),
+                                                           out + m0 * ldo + n0, ldo);
+        });
       });
-    });
+    }
   }
   with_tile(M, [&](auto nr, auto mr) {
     constexpr int64_t MR = decltype(mr)::value;
