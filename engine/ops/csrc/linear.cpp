@@ -485,39 +485,78 @@ void qblock(const B* w, int64_t ldw, const QuantizedRows& x, int64_t j0, const f
   store_sums(acc, bias, out, ldo);
 }
 
-// qblock's outputs for many rows (a prompt chunk): R channels x M rows in registers, each group's
-// R unpacked weights read by every row and each row's quantized x by every channel, so that a
-// group costs its dot products and little besides. Every output is qblock's sum in qblock's order.
-// Formats without minima only (q8_0, q4_0, q5_0): q8_run says why.
-template <int R, int M, typename B>
-void qtile(const B* w, int64_t ldw, const QuantizedRows& x, int64_t j0, const float* bias, float* out, int64_t ldo) {
-  static_assert(!HAS_MIN<B>, "qtile: a format with minima takes qblock");
-  __m512 acc[R][M] = {};
+// A group of one channel unpacked as qblock's group(...) unpacks it: its weights' two halves, the
+// scales (and minima) over their lanes.
+struct StagedGroup {
+  __m512i lo, hi;
+  __m512 d, m;
+};
+
+// Channels n0 .. n0+r of w unpacked once, group by group: staged[g * R + i] is channel i's group g.
+template <int R, typename B>
+void stage(const B* w, int64_t ldw, int r, StagedGroup* staged) {
   static const GroupIndex<B> index;
-  const auto group = [&](int64_t b, int blocks) __attribute__((always_inline)) {
-    __m512i lo[R], hi[R];
-    __m512 d[R], m[R];  // m: unpack fills it only for a format with minima
-#pragma GCC unroll 8
-    for (int i = 0; i < R; ++i) unpack(w + i * ldw + b, blocks, lo[i], hi[i], d[i], m[i], index);
+  for (int i = 0; i < r; ++i)
+    for (int64_t b = 0; b < ldw; b += 4) {
+      StagedGroup& g = staged[b / 4 * R + i];
+      unpack(w + i * ldw + b, static_cast<int>(std::min<int64_t>(4, ldw - b)), g.lo, g.hi, g.d, g.m, index);
+    }
+}
+
+// qblock's outputs for many rows (a prompt chunk) from staged groups: R channels x M rows of
+// accumulators, each row's quantized x read once for R channels and each staged group (from L1)
+// by M rows. Every output is qblock's sum in qblock's order. stride: staged groups per group index
+// (R, or the tile's when a lone tail channel reads it).
+template <int R, int M, typename B>
+void qtile(const StagedGroup* staged, int stride, int64_t groups, const QuantizedRows& x, int64_t j0, const float* bias,
+           float* out, int64_t ldo) {
+  __m512 acc[R][M] = {};
+  for (int64_t g = 0; g < groups; ++g) {
+    const StagedGroup* w = staged + g * stride;
 #pragma GCC unroll 8
     for (int j = 0; j < M; ++j) {
       const int64_t row = j0 + j;
-      const int8_t* q = x.q_row(row) + b * QK;
+      const int8_t* q = x.q_row(row) + g * 128;
       const __m512i q0 = _mm512_loadu_si512(q), q1 = _mm512_loadu_si512(q + 64);
       const __m512i start =
-          OFFSET<B> ? _mm512_loadu_si512(x.offsets + (row * x.groups + b / 4) * 16) : _mm512_setzero_si512();
-      const __m512 dx = _mm512_loadu_ps(x.dx + row * x.groups * 4 * LANES + b * LANES);
+          OFFSET<B> ? _mm512_loadu_si512(x.offsets + (row * x.groups + g) * 16) : _mm512_setzero_si512();
+      const __m512 dx = _mm512_loadu_ps(x.dx + (row * x.groups + g) * 4 * LANES);
 #pragma GCC unroll 8
       for (int i = 0; i < R; ++i) {
-        const __m512i s = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(start, lo[i], q0), hi[i], q1);
-        acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(d[i], dx), acc[i][j]);
+        const __m512i s = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(start, w[i].lo, q0), w[i].hi, q1);
+        acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(w[i].d, dx), acc[i][j]);
+        if constexpr (HAS_MIN<B>)
+          acc[i][j] = _mm512_fmadd_ps(w[i].m, _mm512_loadu_ps(x.lane_sums + (row * x.groups + g) * 16), acc[i][j]);
       }
     }
-  };
-  const int64_t whole = ldw / 4 * 4;
-  for (int64_t b = 0; b < whole; b += 4) group(b, 4);
-  if (whole < ldw) group(whole, static_cast<int>(ldw - whole));
+  }
   store_sums(acc, bias, out, ldo);
+}
+
+// A prompt chunk's product: each thread stages its tiles of R channels one at a time and runs every
+// row of x against the staged tile, 3 rows at a time.
+template <typename B>
+void q8_prompt(const B* w, int64_t ldw, const QuantizedRows& q, int64_t M, int64_t N, const float* bias, float* out,
+               int64_t ldo) {
+  constexpr int R = 6;
+  const int64_t groups = (ldw + 3) / 4, channel_tiles = (N + R - 1) / R;
+  at::parallel_for(0, channel_tiles, 1, [&](int64_t begin, int64_t end) {
+    std::vector<StagedGroup> staged(groups * R);
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t n0 = t * R;
+      const int r = static_cast<int>(std::min<int64_t>(R, N - n0));
+      stage<R>(w + n0 * ldw, ldw, r, staged.data());
+      for (int64_t m0 = 0; m0 < M; m0 += 3) {
+        with_rows<3>(std::min<int64_t>(3, M - m0), [&](auto rows) {
+          constexpr int m = decltype(rows)::value;
+          if (r == R)
+            return qtile<R, m, B>(staged.data(), R, groups, q, m0, offset_by(bias, n0), out + m0 * ldo + n0, ldo);
+          for (int i = 0; i < r; ++i)
+            qtile<1, m, B>(staged.data() + i, R, groups, q, m0, offset_by(bias, n0 + i), out + m0 * ldo + n0 + i, ldo);
+        });
+      }
+    }
+  });
 }
 
 #endif
@@ -716,25 +755,15 @@ void run(const W* w, int64_t ldw, const float* x, int64_t M, int64_t N, int64_t 
 }
 
 #ifdef TANDEM_Q8_ACTIVATIONS
-// The product with x quantized to 8 bits (qblock), in the f32 path's tiles.
+// The product with x quantized to 8 bits (qblock), in the f32 path's tiles; from 16 rows (a prompt
+// chunk) q8_prompt's, whose groups are unpacked once per call rather than once per tile of rows: on
+// Zen 4 1.5-1.8x qblock's 2 x 8 at 64-512 rows, 1.4x at 16. Below, the weights' stream is the bound,
+// which qblock's channel-major order and prefetch keep up with.
 template <typename B>
 void q8_run(const B* w, int64_t ldw, const float* x, int64_t M, int64_t N, int64_t K, const float* bias, float* out,
             int64_t ldo) {
   const QuantizedRows q = quantize_rows(x, M, ldw, ROW_SUMS<B>);
-  // A prompt chunk in qtile's 6 channels x 3 rows: on Zen 4 1.1-1.2x qblock's 2 x 8 from 32 rows up (a
-  // 512-row chunk 1.2x), level at 16. Fewer rows are bound by the weights' stream, which qblock's
-  // channel-major order and prefetch keep up with better. A format with minima (q4_1, q5_1) needs 6
-  // more registers than the tile leaves and gained nothing: it keeps qblock's.
-  if constexpr (!HAS_MIN<B>) {
-    if (M >= 16) {
-      return tiles<6, 3>(M, N, K, [&](auto r, int64_t n0, int64_t m0, int64_t m) {
-        with_rows<3>(m, [&](auto rows) {
-          qtile<decltype(r)::value, decltype(rows)::value>(w + n0 * ldw, ldw, q, m0, offset_by(bias, n0),
-                                                           out + m0 * ldo + n0, ldo);
-        });
-      });
-    }
-  }
+  if (M >= 16) return q8_prompt(w, ldw, q, M, N, bias, out, ldo);
   with_tile(M, [&](auto nr, auto mr) {
     constexpr int64_t MR = decltype(mr)::value;
     tiles<decltype(nr)::value, MR>(M, N, K, [&](auto r, int64_t n0, int64_t m0, int64_t m) {
