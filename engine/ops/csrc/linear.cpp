@@ -492,27 +492,30 @@ struct StagedGroup {
   __m512 d, m;
 };
 
-// Channels n0 .. n0+r of w unpacked once, group by group: staged[g * R + i] is channel i's group g.
-template <int R, typename B>
+// Channels a prompt chunk's product stages at a time (q8_prompt).
+constexpr int STAGED = 6;
+
+// The first r channels of w unpacked once, group by group: staged[g * STAGED + i] is channel i's group g.
+template <typename B>
 void stage(const B* w, int64_t ldw, int r, StagedGroup* staged) {
   static const GroupIndex<B> index;
   for (int i = 0; i < r; ++i)
     for (int64_t b = 0; b < ldw; b += 4) {
-      StagedGroup& g = staged[b / 4 * R + i];
+      StagedGroup& g = staged[b / 4 * STAGED + i];
       unpack(w + i * ldw + b, static_cast<int>(std::min<int64_t>(4, ldw - b)), g.lo, g.hi, g.d, g.m, index);
     }
 }
 
 // qblock's outputs for many rows (a prompt chunk) from staged groups: R channels x M rows of
 // accumulators, each row's quantized x read once for R channels and each staged group (from L1)
-// by M rows. Every output is qblock's sum in qblock's order. stride: staged groups per group index
-// (R, or the tile's when a lone tail channel reads it).
+// by M rows. Every output is qblock's sum in qblock's order. staged: the tile's first channel (a
+// lone tail channel's qtile<1> reads one of a tile's STAGED).
 template <int R, int M, typename B>
-void qtile(const StagedGroup* staged, int stride, int64_t groups, const QuantizedRows& x, int64_t j0, const float* bias,
-           float* out, int64_t ldo) {
+void qtile(const StagedGroup* staged, int64_t groups, const QuantizedRows& x, int64_t j0, const float* bias, float* out,
+           int64_t ldo) {
   __m512 acc[R][M] = {};
   for (int64_t g = 0; g < groups; ++g) {
-    const StagedGroup* w = staged + g * stride;
+    const StagedGroup* w = staged + g * STAGED;
 #pragma GCC unroll 8
     for (int j = 0; j < M; ++j) {
       const int64_t row = j0 + j;
@@ -533,26 +536,26 @@ void qtile(const StagedGroup* staged, int stride, int64_t groups, const Quantize
   store_sums(acc, bias, out, ldo);
 }
 
-// A prompt chunk's product: each thread stages its tiles of R channels one at a time and runs every
-// row of x against the staged tile, 3 rows at a time.
+// A prompt chunk's product: each thread stages its tiles of STAGED channels one at a time and runs
+// every row of x against the staged tile, 3 rows at a time.
 template <typename B>
 void q8_prompt(const B* w, int64_t ldw, const QuantizedRows& q, int64_t M, int64_t N, const float* bias, float* out,
                int64_t ldo) {
-  constexpr int R = 6;
+  constexpr int R = STAGED;
   const int64_t groups = (ldw + 3) / 4, channel_tiles = (N + R - 1) / R;
   at::parallel_for(0, channel_tiles, 1, [&](int64_t begin, int64_t end) {
     std::vector<StagedGroup> staged(groups * R);
     for (int64_t t = begin; t < end; ++t) {
       const int64_t n0 = t * R;
       const int r = static_cast<int>(std::min<int64_t>(R, N - n0));
-      stage<R>(w + n0 * ldw, ldw, r, staged.data());
+      stage(w + n0 * ldw, ldw, r, staged.data());
       for (int64_t m0 = 0; m0 < M; m0 += 3) {
         with_rows<3>(std::min<int64_t>(3, M - m0), [&](auto rows) {
           constexpr int m = decltype(rows)::value;
           if (r == R)
-            return qtile<R, m, B>(staged.data(), R, groups, q, m0, offset_by(bias, n0), out + m0 * ldo + n0, ldo);
+            return qtile<R, m, B>(staged.data(), groups, q, m0, offset_by(bias, n0), out + m0 * ldo + n0, ldo);
           for (int i = 0; i < r; ++i)
-            qtile<1, m, B>(staged.data() + i, R, groups, q, m0, offset_by(bias, n0 + i), out + m0 * ldo + n0 + i, ldo);
+            qtile<1, m, B>(staged.data() + i, groups, q, m0, offset_by(bias, n0 + i), out + m0 * ldo + n0 + i, ldo);
         });
       }
     }
