@@ -88,13 +88,19 @@ class Attention(nn.Module):
                         v[sl].transpose(0, 1).to(cache_dtype))
             if self.indexer is not None:
                 self._write_index_keys(index_k[sl], row, cache, layer)
-            selected = self._selection(index_q[sl] if self.indexer is not None else q[sl], batch.rope[sl],
-                                       batch.positions[sl], mask, row, cache, layer) if self.spec.is_qsa else None
+            scores = self._block_scores(index_q[sl] if self.indexer is not None else q[sl], batch.rope[sl],
+                                        batch.positions[sl], row, cache, layer) if self.spec.is_qsa else None
+            # A lone query (a decode row) takes its keys' positions straight from its scores.
+            lone = scores is not None and t == 1 and mask is None and batch.probes is None
+            selected = None if scores is None or lone else \
+                qsa.allowed(scores, batch.rope[sl], row.start + t, self.spec.ratio, self.spec.keep,
+                            None if self.indexer is not None else mask)
             selections[i] = selected
-            if selected is None:
+            if scores is None:
                 keys, values = cache.read(layer, row.slot, row.start + t)
             elif t == 1:
-                positions = selected[0].nonzero()[:, 0]
+                positions = qsa.attended(scores, row.start, self.spec.ratio, self.spec.keep) if lone else \
+                    selected[0].nonzero()[:, 0]
                 at = cache.rows_at(layer, row.slot, positions, q.dtype) if kernels.usable(q) \
                     and q.dtype == torch.float32 else None
                 if at is not None:  # read where they lie, not gathered first
@@ -105,7 +111,7 @@ class Attention(nn.Module):
                 index = selected.any(0).nonzero()[:, 0]  # the union of the queries' selections
                 (keys, values), mask = cache.read_at(layer, row.slot, index), selected[:, index]
             # A chain's prompt chunk sees every key before it: only its own block is causal.
-            prefix = row.start if selected is None and row.depths is None else 0
+            prefix = row.start if scores is None and row.depths is None else 0
             out[sl] = self._attend(q[sl], keys.to(q.dtype), values.to(q.dtype), mask, prefix)
         if batch.probes is not None:
             self._probe(q, k, batch, cache, layer, selections)
@@ -123,21 +129,20 @@ class Attention(nn.Module):
             cache.write_index_blocks(layer, row.slot, first,
                                      x.pool(cache.read_index_keys(layer, row.slot, first * x.ratio, last * x.ratio), first))
 
-    def _selection(self, q, positions, written, mask, row, cache: KVCache, layer: int) -> torch.Tensor | None:
-        """[T, end] bool: the keys a QSA row's queries q (the indexer's, where the layer has one)
-        standing at `positions` (their keys `written` there, a tree's siblings past the chain)
-        attend, engine/model/qsa.py's rule; None when none is past the budget (dense attention).
-        A lone query then reads only its selected keys, a row of several (a verify block, a prompt
-        chunk) the union of theirs, each query masked to its own: a verify block of a few tokens
-        reads about the budget's keys, not the context's."""
+    def _block_scores(self, q, positions, written, row, cache: KVCache, layer: int) -> torch.Tensor | None:
+        """[T, n] the block scores of a QSA row's queries q (the indexer's, where the layer has one)
+        standing at `positions` (their keys `written` there, a tree's siblings past the chain),
+        engine/model/qsa.py's rule; None when none is past the budget (dense attention). A lone
+        query then reads only its selected keys, a row of several (a verify block, a prompt chunk)
+        the union of theirs, each query masked to its own: a verify block of a few tokens reads
+        about the budget's keys, not the context's."""
         r, keep, end = self.spec.ratio, self.spec.keep, row.start + len(row.tokens)
         if int(qsa.complete_blocks(positions, r).max()) <= keep:
             return None
         if self.indexer is not None:
-            return self.indexer.allowed(q, cache.read_index_blocks(layer, row.slot, end // r), positions, end)
-        scores = qsa.pooled_scores(q, cache.read_pool(layer, row.slot, end // r), positions, written, r,
-                                   lambda index: cache.read_at(layer, row.slot, index)[0])
-        return qsa.allowed(scores, positions, end, r, keep, mask)
+            return qsa.scores(q, cache.read_index_blocks(layer, row.slot, end // r)[None])
+        return qsa.pooled_scores(q, cache.read_pool(layer, row.slot, end // r), positions, written, r,
+                                 lambda index: cache.read_at(layer, row.slot, index)[0])
 
     def _probe(self, q, k, batch: ForwardBatch, cache: KVCache, layer: int, selections: list) -> None:
         """Hand the probed rows' q and k, the keys they could attend and those they did (None: all

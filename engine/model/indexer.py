@@ -16,7 +16,6 @@ import torch
 from torch import nn
 
 from engine.files.model_config import ModelConfig
-from engine.model import qsa
 from engine.model.norm import RMSNorm
 from engine.model.rope import apply_rope
 from engine.ops import blocks
@@ -53,8 +52,3 @@ class Indexer(nn.Module):
         starts = (first + torch.arange(pooled.shape[0])) * self.ratio
         cos, sin = self.cos[starts, None].to(pooled.dtype), self.sin[starts, None].to(pooled.dtype)
         return apply_rope(pooled[:, None], cos, sin)[:, 0]
-
-    def allowed(self, q: torch.Tensor, blocks: torch.Tensor, positions: torch.Tensor, length: int) -> torch.Tensor:
-        """[T, length] bool: the keys queries q [T, heads, head_dim] standing at `positions` attend,
-        given the slot's block keys blocks [>= the last query's complete blocks, head_dim]."""
-        return qsa.allowed(qsa.scores(q, blocks[None]), positions, length, self.ratio, self.keep)

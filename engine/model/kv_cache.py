@@ -176,7 +176,12 @@ class _Stores:
         self.iblocks[layer][self._block_rows(layer, slot, first, first + keys.shape[0])] = keys.float()
 
     def read_index_blocks(self, layer: int, slot: int, blocks: int) -> torch.Tensor:
-        """[blocks, index_dim]: the slot's first block keys."""
+        """[blocks, index_dim]: the slot's first block keys; a view where the slot's rows are
+        contiguous (a gathered copy of 4,096 blocks took 0.3 ms a decode row)."""
+        first = self._first_row(slot)
+        if first is not None:  # block b's row is (first + b * ratio) // ratio
+            start = first // self.specs[layer].ratio
+            return self.iblocks[layer][start:start + blocks]
         return self.iblocks[layer][self._block_rows(layer, slot, 0, blocks)]
 
     def _block_rows(self, layer: int, slot: int, first: int, last: int) -> torch.Tensor:
@@ -273,6 +278,10 @@ class KVCache(_Stores):
     def _rows(self, slot: int, start: int, end: int) -> torch.Tensor:
         """Flat rows (slot-major) of the slot's positions start .. end-1."""
         return slot * self.ctx_per_slot + torch.arange(start, end)
+
+    def _first_row(self, slot: int) -> int:
+        """The flat row of the slot's position 0; the others follow it."""
+        return slot * self.ctx_per_slot
 
     def _at(self, slot: int, position: int) -> tuple:
         """The index of a slot's position in every layer's storage."""
@@ -410,6 +419,11 @@ class PagedKVCache(_Stores):
     def _rows(self, slot: int, start: int, end: int) -> torch.Tensor:
         """Pool rows of the slot's positions start .. end-1 (reserved by ensure)."""
         return self._index[slot][start:end]
+
+    def _first_row(self, slot: int) -> int | None:
+        """The pool row of the slot's position 0 when its pages are contiguous (the others then
+        follow it); None when they are not."""
+        return self._base[slot]
 
     @property
     def capacity(self) -> int:

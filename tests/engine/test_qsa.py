@@ -145,6 +145,18 @@ def test_qsa_above_budget_equals_the_definition_with_head_dim_160(tmp_path_facto
     assert len(check_against_reference(model, cache_for(model), steps)) == 2 * len(steps)
 
 
+@pytest.mark.parametrize("position", [63, 64, 66, 67])  # a block's end, its start, inside it
+def test_a_lone_querys_positions_are_its_row_of_the_selection_mask(position):
+    # A decode row takes its positions from its scores (qsa.attended) instead of a mask over the
+    # context: the same keys in the same order, ties included (relu makes exact zeros).
+    from engine.model import qsa
+    ratio, keep = 4, 5
+    n = (position + 1) // ratio
+    scores = torch.randn(1, n, generator=torch.Generator().manual_seed(position)).relu()
+    expected = qsa.allowed(scores, torch.tensor([position]), position + 1, ratio, keep)[0].nonzero()[:, 0]
+    assert torch.equal(qsa.attended(scores, position, ratio, keep), expected)
+
+
 def test_two_slots_decoding_together_each_get_their_own_selection(llama8):
     config, tensors = llama8
     model = model_with(config, tensors, "every4:4", 8)

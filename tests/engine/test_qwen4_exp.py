@@ -13,7 +13,7 @@ import torch
 from engine.errors import ConfigError
 from engine.model.batch import ForwardBatch, Row
 from engine.files.weights import open_model
-from engine.model.indexer import Indexer
+from engine.model import qsa
 from engine.model.transformer import Transformer
 from engine.ops import kernels
 from engine.ops.quant import Linear, use_activations
@@ -43,7 +43,7 @@ def test_selection_is_sparse_and_matters(qwen, monkeypatch):
     # Past 2 complete blocks a query keeps only its 2 best: attending to every position instead
     # moves the logits far past the tolerance.
     ref, model = qwen
-    monkeypatch.setattr(Indexer, "allowed", lambda self, q, blocks, positions, length:
+    monkeypatch.setattr(qsa, "allowed", lambda scores, positions, length, *rule:
                         torch.arange(length) <= positions[:, None])
     (dense,), = run(model, [[Row(0, 0, ref.tokens)]])
     assert (dense - ref.logits).abs().max() > 1e-2
@@ -226,7 +226,7 @@ def test_compress_ratios_none_makes_the_indexed_layers_dense_attention_without_i
     cache = new_cache(dense, 1, STEPS)
     assert all(k is None for k in (*cache.ikeys, *cache.iblocks, *cache.kpool))
     (got,), = run(dense, [[Row(0, 0, ref.tokens)]])
-    monkeypatch.setattr(Indexer, "allowed", lambda self, q, blocks, positions, length:
+    monkeypatch.setattr(qsa, "allowed", lambda scores, positions, length, *rule:
                         torch.arange(length) <= positions[:, None])
     (everything,), = run(model, [[Row(0, 0, ref.tokens)]])
     assert_matches(got, everything)
