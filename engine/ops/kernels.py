@@ -94,8 +94,9 @@ def dequantize_blocks(weight: torch.Tensor, cols: int, layout: torch.Tensor | No
     return _ops().dequantize_blocks(weight, cols, layout)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return _ops().rms_norm(x, weight, eps)
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, group: int = 0) -> torch.Tensor:
+    """weight * x / rms(x) over the last axis, or over each run of `group` values along it."""
+    return _ops().rms_norm(x, weight, eps, group)
 
 
 def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:

@@ -14,6 +14,7 @@ from engine.errors import ConfigError
 from engine.model.batch import ForwardBatch, Row
 from engine.files.weights import open_model
 from engine.model import qsa
+from engine.model.norm import GroupedRMSNorm
 from engine.model.transformer import Transformer
 from engine.ops import kernels
 from engine.ops.quant import Linear, use_activations
@@ -148,12 +149,15 @@ def served(qwen, request):
 
 
 def modules_alone(monkeypatch, module) -> None:
-    """From here on `module` runs op by op from Python, each linear layer by its own kernel call."""
+    """From here on `module` runs op by op from Python, each linear layer and each streams' norm by
+    its own kernel call."""
     monkeypatch.setattr(kernels, "usable", lambda x=None: False)
     for m in module.modules():
         if isinstance(m, Linear):
             monkeypatch.setattr(m, "forward", lambda x, m=m: torch.ops.tandem.linear_rows(
                 x, m.weight, m.scale, m.bias, m.q8_activations))
+        if isinstance(m, GroupedRMSNorm):
+            monkeypatch.setattr(m, "forward", lambda x, m=m: torch.ops.tandem.rms_norm(x, m.weight, m.eps, m.size))
 
 
 @pytest.mark.parametrize("rows", [1, 4, 32])

@@ -51,8 +51,7 @@ std::tuple<at::Tensor, at::Tensor> hyper_mix(const at::Tensor& x, const at::Tens
               "hyper_mix: x [N, streams * hidden] and the down and up maps' (weight, scale, bias) expected, got ",
               x.sizes(), ", ", streams, " streams and ", weights.size(), " weights");
   const int64_t hidden = x.size(1) / streams;
-  const at::Tensor each = at::rms_norm(x.to(at::kFloat).unflatten(-1, {streams, hidden}), {hidden}, c10::nullopt, eps);
-  const at::Tensor normed = norm_weight * each.flatten(-2).to(x.scalar_type());
+  const at::Tensor normed = tandem::rms_norm(x, norm_weight, eps, hidden);
   const at::Tensor down = tandem::linear_at(normed, weights, 0, q8, "hyper_mix");
   const at::Tensor mixing =
       tandem::sigmoid(tandem::linear_at(tandem::silu(down / streams), weights, 3, q8, "hyper_mix"));

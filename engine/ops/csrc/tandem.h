@@ -51,8 +51,9 @@ void super_block_rows(const float* x, int64_t M, int64_t K, const at::Tensor& we
                       int64_t ldo, bool q8_activations);
 at::Tensor dequantize_super_blocks(const at::Tensor& weight, int64_t K);
 
-// weight * round(x / rms(x)) over the last axis.
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+// weight * round(x / rms(x)) over the last axis, or over each run of `group` values along it (its
+// residual streams' norm, hyper_connections.cpp), weight then covering the whole axis.
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, int64_t group = 0);
 
 // Rotates x [N, H, D] in place (unit stride along D); cos, sin [N, D].
 void rope_(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin);
