@@ -17,6 +17,8 @@ import math
 
 import torch
 
+from engine.ops import kernels
+
 
 def block_means(keys: torch.Tensor, ratio: int) -> torch.Tensor:
     """Pooled keys of whole blocks: keys [kv_heads, n*ratio, d] -> [kv_heads, n, d] in f32."""
@@ -32,6 +34,8 @@ def complete_blocks(positions: torch.Tensor, ratio: int) -> torch.Tensor:
 def scores(q: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
     """[T, n] each query's block scores: q [T, heads, d], block keys blocks [kv_heads, n, d] (one
     kv head: an indexer's, shared by all its query heads)."""
+    if kernels.usable(q):  # the same numbers for a query whatever rows share the call
+        return kernels.block_scores(q, blocks)
     t, heads, d = q.shape
     kv_heads = blocks.shape[0]
     qg = q.float().view(t, kv_heads, heads // kv_heads, d)

@@ -159,6 +159,12 @@ def attend_at(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torch.Ten
     return _ops().attend_at(q, k, v, rows, scale)
 
 
+def block_scores(q: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """QSA's block scores (engine/model/qsa.py `scores`): q [T, H, D], blocks [KVH, n, D] -> [T, n],
+    each score's additions in one order whatever the call's T."""
+    return _ops().block_scores(q, blocks)
+
+
 def experts_rows(x: torch.Tensor, weights: list[torch.Tensor | None], top_k: int, norm_top_k: bool,
                  q8_activations: bool = False) -> torch.Tensor:
     """A mixture-of-experts MLP over x [N, hidden] as engine/model/experts.py computes it, for small

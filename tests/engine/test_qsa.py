@@ -157,6 +157,22 @@ def test_a_lone_querys_positions_are_its_row_of_the_selection_mask(position):
     assert torch.equal(qsa.attended(scores, position, ratio, keep), expected)
 
 
+@pytest.mark.parametrize("heads, kv_heads, d, n", [(8, 1, 128, 4096), (9, 3, 64, 37), (4, 2, 80, 1)])
+def test_block_scores_are_the_definition_and_a_querys_own_whatever_rows_share_the_call(heads, kv_heads, d, n):
+    # The kernel's scores: sum over heads of relu(q . block) / sqrt(d), as the einsum of the
+    # definition to rounding; and a query's scores the same bits alone (a decode row) as beside
+    # others (a verify block, a prompt chunk), so both select the same blocks.
+    from engine.model import qsa
+    g = torch.Generator().manual_seed(n)
+    q, blocks = torch.randn(5, heads, d, generator=g), torch.randn(kv_heads, n, d, generator=g)
+    qg = q.view(5, kv_heads, heads // kv_heads, d)
+    expected = torch.einsum("tkgd,kbd->tkgb", qg, blocks).relu().sum((1, 2)) / math.sqrt(d)
+    with torch.inference_mode():
+        together = qsa.scores(q, blocks)
+        torch.testing.assert_close(together, expected, atol=1e-5, rtol=1e-5)
+        assert all(torch.equal(qsa.scores(q[i:i + 1], blocks)[0], together[i]) for i in range(5))
+
+
 def test_two_slots_decoding_together_each_get_their_own_selection(llama8):
     config, tensors = llama8
     model = model_with(config, tensors, "every4:4", 8)

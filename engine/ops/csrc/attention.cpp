@@ -15,6 +15,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "dots.h"
 #include "tandem.h"
 
 #include <algorithm>
@@ -102,21 +103,9 @@ constexpr int64_t SPAN = 512;
 
 #ifdef __AVX512F__
 
-// Lane i of the result: the sum of v[i]'s 16 lanes. Sixteen dot products finish in 45 operations,
-// where reducing each on its own took about 8 apiece and left 16 scalars to gather.
-inline __m512 sums16(const __m512 (&v)[16]) {
-  __m512 t[8], u[4], w[2];
-  for (int k = 0; k < 8; ++k)  // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3]
-    t[k] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * k], v[2 * k + 1]), _mm512_unpackhi_ps(v[2 * k], v[2 * k + 1]));
-  for (int k = 0; k < 4; ++k)  // per 128-bit lane: the lane's sums of v[4k .. 4k+3]
-    u[k] = _mm512_add_ps(_mm512_shuffle_ps(t[2 * k], t[2 * k + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                         _mm512_shuffle_ps(t[2 * k], t[2 * k + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-  for (int k = 0; k < 2; ++k)
-    w[k] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * k], u[2 * k + 1], _MM_SHUFFLE(2, 0, 2, 0)),
-                         _mm512_shuffle_f32x4(u[2 * k], u[2 * k + 1], _MM_SHUFFLE(3, 1, 3, 1)));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                       _mm512_shuffle_f32x4(w[0], w[1], _MM_SHUFFLE(3, 1, 3, 1)));
-}
+using tandem::dots::partial_dot;
+using tandem::dots::sums16;
+using tandem::dots::with_chunks;
 
 // e^x for x <= 0 (a score minus the row's largest), 16 at a time: x = n ln 2 + r with |r| <= ln 2 / 2,
 // e^r by its degree-6 Taylor polynomial (relative error below 2e-7, about an f32 ulp), scaled by 2^n.
@@ -148,14 +137,6 @@ inline std::pair<float, float> exps(float* s, int64_t L) {
   const __m512 e = _mm512_maskz_mov_ps(tail, exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, s + l), top)));
   _mm512_mask_storeu_ps(s + l, tail, e);
   return {largest, _mm512_reduce_add_ps(_mm512_add_ps(total, e))};
-}
-
-// q . key as 16 partial sums, their total the score: q and key are rows of 16 * NC.
-template <int NC>
-inline __m512 partial_dot(const float* q, const float* key) {
-  __m512 d = _mm512_mul_ps(_mm512_loadu_ps(q), _mm512_loadu_ps(key));
-  for (int c = 1; c < NC; ++c) d = _mm512_fmadd_ps(_mm512_loadu_ps(q + 16 * c), _mm512_loadu_ps(key + 16 * c), d);
-  return d;
 }
 
 // How a work item reads one kv head's keys or values as f32 rows of D, `row` counting rows from the
@@ -335,22 +316,6 @@ void attend_runs(const float* q, Head&& head, float* out, const int64_t* slots, 
       for (int cc = 0; cc < NC; ++cc) _mm512_storeu_ps(out + rh * D + 16 * cc, _mm512_mul_ps(acc[cc], inverse));
     }
   });
-}
-
-// The head dims attend_runs is compiled for; others take attend().
-template <typename F>
-bool with_chunks(int64_t D, F&& f) {
-  switch (D) {
-    case 16: f(std::integral_constant<int, 1>{}); return true;
-    case 32: f(std::integral_constant<int, 2>{}); return true;
-    case 64: f(std::integral_constant<int, 4>{}); return true;
-    case 80: f(std::integral_constant<int, 5>{}); return true;
-    case 96: f(std::integral_constant<int, 6>{}); return true;
-    case 128: f(std::integral_constant<int, 8>{}); return true;
-    case 160: f(std::integral_constant<int, 10>{}); return true;
-    case 256: f(std::integral_constant<int, 16>{}); return true;
-  }
-  return false;
 }
 
 #endif
