@@ -71,12 +71,18 @@ class Experts(nn.Module):
         """Up to this many rows the kernel takes the experts: every one of its linear layers' kernel rows."""
         return min(m.max_kernel_rows for m in self.modules() if isinstance(m, Linear))
 
+    @functools.cached_property
+    def _format_layers(self) -> list[Linear]:
+        """The linear layers whose formats stand for all (the routed experts share one format)."""
+        return [self.router, self.shared_expert_gate, self.shared_expert.gate_up_proj, self.shared_expert.down_proj,
+                *self.experts[0].children()]
+
     @property
     def q8_activations(self) -> bool:
         """Whether its block weights take 8-bit activations (engine/ops/quant.py use_activations sets
-        every block layer of a model alike; the routed experts share one format)."""
-        return any(m.q8_activations for m in (self.router, self.shared_expert_gate, self.shared_expert.gate_up_proj,
-                                               self.shared_expert.down_proj, *self.experts[0].children()))
+        every block layer of a model alike). Read every decode row: the layers are looked up once
+        (through nn.Module's attribute lookup, 12 us a call)."""
+        return any(m.q8_activations for m in self._format_layers)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # A few rows (decode, verify) in one kernel call: the same ops, without a dispatch from
