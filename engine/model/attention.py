@@ -62,10 +62,12 @@ class Attention(nn.Module):
         qk = rotate(qk, cos, sin)  # q and k in one pass
         q, k, v = qk[:, :heads], qk[:, heads:], qkv[:, heads + self.kv_heads:heads + 2 * self.kv_heads]
         out = torch.empty_like(q)
-        # Rows of one token of a dense layer go through one kernel call when the cache holds floats
-        # of q's dtype or q8_0; the others (prompt chunks, verify rows, QSA layers) attend row by row.
+        # Rows of one token go through one kernel call when the cache holds floats of q's dtype or
+        # q8_0, in a QSA layer while each still sees every position (its complete blocks within the
+        # budget: dense attention, exactly); the others (prompt chunks, verify rows, QSA rows past
+        # the budget) attend row by row.
         store = cache.kernel_view(layer, q.dtype) if kernels.usable(q) and len(batch.decode_index) \
-            and not self.spec.is_qsa else None
+            and (not self.spec.is_qsa or self._dense(batch.decode_positions)) else None
         if store is not None:
             i, slots, positions = batch.decode_index, batch.decode_slots, batch.decode_positions
             if len(i) == n:  # every row decodes: views, not gathers
@@ -83,6 +85,8 @@ class Attention(nn.Module):
             sl = slice(offset, offset + t)
             offset += t
             if t == 1 and store is not None:
+                if self.indexer is not None:  # its keys for the blocks later rows select from
+                    self._write_index_keys(index_k[sl], row, cache, layer)
                 continue
             cache.write(layer, row.slot, row.start, k[sl].transpose(0, 1).to(cache_dtype),
                         v[sl].transpose(0, 1).to(cache_dtype))
@@ -119,6 +123,11 @@ class Attention(nn.Module):
             out = out * torch.sigmoid(qkv[:, heads + 2 * self.kv_heads:])
         return self.o_proj(out.view(n, heads * self.head_dim))
 
+    def _dense(self, positions: torch.Tensor) -> bool:
+        """Whether queries at `positions` of this QSA layer all see no more complete blocks than it
+        keeps (so attend to every position before them)."""
+        return int(qsa.complete_blocks(positions, self.spec.ratio).max()) <= self.spec.keep
+
     def _write_index_keys(self, raw, row, cache: KVCache, layer: int) -> None:
         """A row of an indexed layer: its raw indexer keys raw [T, index_dim], and the keys of the
         blocks it completes."""
@@ -136,8 +145,8 @@ class Attention(nn.Module):
         query then reads only its selected keys, a row of several (a verify block, a prompt chunk)
         the union of theirs, each query masked to its own: a verify block of a few tokens reads
         about the budget's keys, not the context's."""
-        r, keep, end = self.spec.ratio, self.spec.keep, row.start + len(row.tokens)
-        if int(qsa.complete_blocks(positions, r).max()) <= keep:
+        r, end = self.spec.ratio, row.start + len(row.tokens)
+        if self._dense(positions):
             return None
         if self.indexer is not None:
             return qsa.scores(q, cache.read_index_blocks(layer, row.slot, end // r)[None])
