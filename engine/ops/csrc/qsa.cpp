@@ -37,6 +37,9 @@ at::Tensor block_scores(const at::Tensor& q, const at::Tensor& blocks) {
         const int64_t head_stride = kb.stride(0), row_stride = kb.stride(1);
         const float root = std::sqrt(static_cast<float>(D));
         float* op = out.data_ptr<float>();
+        // Where query head h's kv head starts in blocks: no division in the loop below.
+        std::vector<int64_t> kv_of(H);
+        for (int64_t h = 0; h < H; ++h) kv_of[h] = h / group * head_stride;
         at::parallel_for(0, (n + BLOCKS - 1) / BLOCKS, 1, [&](int64_t begin, int64_t end) {
           // The products of one query with a work item's blocks, pair p = block * H + head, 16 at a time.
           std::vector<float> dots((BLOCKS * H + 15) / 16 * 16);
@@ -44,13 +47,12 @@ at::Tensor block_scores(const at::Tensor& q, const at::Tensor& blocks) {
             const int64_t b0 = item * BLOCKS, nb = std::min(BLOCKS, n - b0), pairs = nb * H;
             for (int64_t t = 0; t < T; ++t) {
               const float* qt = qp + t * H * D;
-              for (int64_t p0 = 0; p0 < pairs; p0 += 16) {
+              for (int64_t p0 = 0, b = b0, h = 0; p0 < pairs; p0 += 16) {
                 __m512 v[16];
                 for (int k = 0; k < 16; ++k) {
-                  const int64_t p = p0 + k, b = b0 + p / H, h = p % H;
-                  v[k] = p < pairs ? tandem::dots::partial_dot<NC>(qt + h * D, bp + h / group * head_stride +
-                                                                                   b * row_stride)
-                                   : _mm512_setzero_ps();
+                  v[k] = p0 + k < pairs ? tandem::dots::partial_dot<NC>(qt + h * D, bp + kv_of[h] + b * row_stride)
+                                        : _mm512_setzero_ps();
+                  if (++h == H) h = 0, ++b;
                 }
                 _mm512_storeu_ps(dots.data() + p0, tandem::dots::sums16(v));
               }
