@@ -16,6 +16,7 @@ from engine.files.model_config import with_compression
 from engine.files.weights import open_model
 from engine.model.batch import ForwardBatch, Row
 from engine.model.kv_cache import KVCache, PagedKVCache
+from engine.model import qsa
 from engine.model.layer_spec import LayerSpec
 from engine.model.rope import rotate
 from engine.model.transformer import Transformer, fused_layers
@@ -149,7 +150,6 @@ def test_qsa_above_budget_equals_the_definition_with_head_dim_160(tmp_path_facto
 def test_a_lone_querys_positions_are_its_row_of_the_selection_mask(position):
     # A decode row takes its positions from its scores (qsa.attended) instead of a mask over the
     # context: the same keys in the same order, ties included (relu makes exact zeros).
-    from engine.model import qsa
     ratio, keep = 4, 5
     n = (position + 1) // ratio
     scores = torch.randn(1, n, generator=torch.Generator().manual_seed(position)).relu()
@@ -162,7 +162,6 @@ def test_block_scores_are_the_definition_and_a_querys_own_whatever_rows_share_th
     # The kernel's scores: sum over heads of relu(q . block) / sqrt(d), as the einsum of the
     # definition to rounding; and a query's scores the same bits alone (a decode row) as beside
     # others (a verify block, a prompt chunk), so both select the same blocks.
-    from engine.model import qsa
     g = torch.Generator().manual_seed(n)
     q, blocks = torch.randn(5, heads, d, generator=g), torch.randn(kv_heads, n, d, generator=g)
     qg = q.view(5, kv_heads, heads // kv_heads, d)
