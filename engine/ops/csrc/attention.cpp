@@ -35,10 +35,13 @@ namespace {
 // rows PREFETCH_ROWS keys ahead took a cold 160-key, 3-kv-head call from 169 to 141 us (warm: 22).
 constexpr int64_t PREFETCH_ROWS = 16;
 
-// LOCALITY as __builtin_prefetch's: 3 into L1, 2 into L2 only. Rows scattered in 4 KB runs (QSA's
-// selected blocks, attend_at) go to L2: a cold call over ~2,050 rows of 2 kv heads of 256 took a
-// median 0.58 ms against 0.72 into L1 (Zen 4, 9 runs of alternating builds), as if L1's few
-// outstanding misses held the prefetches back where the hardware's stream prefetchers cannot help.
+// LOCALITY as __builtin_prefetch's: 3 into L1, 2 into L2 only. The AVX-512 kernels' f32 rows go to
+// L2, as if L1's few outstanding misses held the prefetches back (Zen 4, alternating builds, cold):
+// - attend_at's rows, scattered in 4 KB runs (QSA's selected blocks) that the hardware's stream
+//   prefetchers cannot follow: ~2,050 rows of 2 kv heads of 256, median 0.58 ms against 0.72 into L1;
+// - decode_attention's f32 runs: one query of 8 heads at 16,385 positions of 2 kv heads of 256,
+//   median 3.6 ms against 4.3 (the same at 1,025 positions, warm); its q8_0 runs, whose dequantizing
+//   sets the pace, showed no difference and stay in L1.
 template <int LOCALITY = 3, typename T>
 inline void prefetch_row(const T* p, int64_t D) {
   const char* c = reinterpret_cast<const char*>(p);
@@ -156,7 +159,7 @@ struct F32Rows {
 
   // Rows row .. row+n-1 (n <= 16, one run in either layout).
   const float* run(int64_t row, int64_t, float*) const { return p + row * D; }
-  void prefetch_run(int64_t row) const { prefetch_row(p + row * D, 16 * D); }
+  void prefetch_run(int64_t row) const { prefetch_row<2>(p + row * D, 16 * D); }
 };
 
 template <int NC>
