@@ -35,8 +35,9 @@ namespace {
 // rows PREFETCH_ROWS keys ahead took a cold 160-key, 3-kv-head call from 169 to 141 us (warm: 22).
 constexpr int64_t PREFETCH_ROWS = 16;
 
-// LOCALITY as __builtin_prefetch's: 3 into L1, 2 into L2 only. The AVX-512 kernels' f32 rows go to
-// L2, as if L1's few outstanding misses held the prefetches back (Zen 4, alternating builds, cold):
+// LOCALITY as __builtin_prefetch's: 3 into L1, 2 into L2 only. attend_at's rows and the AVX-512 decode
+// kernel's f32 runs go to L2, as if L1's few outstanding misses held the prefetches back (Zen 4,
+// alternating builds, cold caches):
 // - attend_at's rows, scattered in 4 KB runs (QSA's selected blocks) that the hardware's stream
 //   prefetchers cannot follow: ~2,050 rows of 2 kv heads of 256, median 0.58 ms against 0.72 into L1;
 // - decode_attention's f32 runs: one query of 8 heads at 16,385 positions of 2 kv heads of 256,
