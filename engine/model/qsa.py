@@ -36,10 +36,13 @@ def scores(q: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
     kv head: an indexer's, shared by all its query heads)."""
     if kernels.usable(q):  # the same numbers for a query whatever rows share the call
         return kernels.block_scores(q, blocks)
+    # One query at a time, as the kernel's own portable path: a batched product's additions follow
+    # its shape, so a query beside others (a verify block) could score other bits than alone (its
+    # decode row) and select another block at a near-tie.
     t, heads, d = q.shape
-    kv_heads = blocks.shape[0]
+    kv_heads, keys = blocks.shape[0], blocks.float()
     qg = q.float().view(t, kv_heads, heads // kv_heads, d)
-    return torch.einsum("tkgd,kbd->tkgb", qg, blocks.float()).relu().sum((1, 2)) / math.sqrt(d)
+    return torch.stack([torch.einsum("kgd,kbd->kgb", one, keys).relu().sum((0, 1)) for one in qg]) / math.sqrt(d)
 
 
 def allowed(block_scores: torch.Tensor, positions: torch.Tensor, length: int, ratio: int, keep: int,

@@ -14,9 +14,9 @@ import torch
 from engine.cli.tiny import tiny_config, write_tiny_model
 from engine.files.model_config import with_compression
 from engine.files.weights import open_model
+from engine.model import qsa
 from engine.model.batch import ForwardBatch, Row
 from engine.model.kv_cache import KVCache, PagedKVCache
-from engine.model import qsa
 from engine.model.layer_spec import LayerSpec
 from engine.model.rope import rotate
 from engine.model.transformer import Transformer, fused_layers
@@ -157,11 +157,16 @@ def test_a_lone_querys_positions_are_its_row_of_the_selection_mask(position):
     assert torch.equal(qsa.attended(scores, position, ratio, keep), expected)
 
 
-@pytest.mark.parametrize("heads, kv_heads, d, n", [(8, 1, 128, 4096), (9, 3, 64, 37), (4, 2, 80, 1)])
-def test_block_scores_are_the_definition_and_a_querys_own_whatever_rows_share_the_call(heads, kv_heads, d, n):
-    # The kernel's scores: sum over heads of relu(q . block) / sqrt(d), as the einsum of the
-    # definition to rounding; and a query's scores the same bits alone (a decode row) as beside
-    # others (a verify block, a prompt chunk), so both select the same blocks.
+@pytest.mark.parametrize("kernel", [True, False])
+@pytest.mark.parametrize("heads, kv_heads, d, n", [(8, 1, 128, 4096), (9, 3, 64, 37), (4, 2, 80, 1), (4, 2, 48, 37)])
+def test_block_scores_are_the_definition_and_a_querys_own_whatever_rows_share_the_call(heads, kv_heads, d, n, kernel,
+                                                                                        monkeypatch):
+    # The scores: sum over heads of relu(q . block) / sqrt(d), as the einsum of the definition to
+    # rounding; and a query's scores the same bits alone (a decode row) as beside others (a verify
+    # block, a prompt chunk), so both select the same blocks. Through the kernel (head dim 48: its
+    # portable path) and through torch's ops (kernels unusable: no compiler, another device).
+    if not kernel:
+        monkeypatch.setattr(qsa.kernels, "usable", lambda x=None: False)
     g = torch.Generator().manual_seed(n)
     q, blocks = torch.randn(5, heads, d, generator=g), torch.randn(kv_heads, n, d, generator=g)
     qg = q.view(5, kv_heads, heads // kv_heads, d)

@@ -28,9 +28,9 @@ at::Tensor block_scores(const at::Tensor& q, const at::Tensor& blocks) {
               " and ", blocks.sizes());
   const int64_t T = q.size(0), H = q.size(1), D = q.size(2), KVH = blocks.size(0), n = blocks.size(1);
   const int64_t group = H / KVH;
-  at::Tensor out = at::empty({T, n}, q.options().dtype(at::kFloat));
-#ifdef __AVX512F__
   const at::Tensor qc = q.to(at::kFloat).contiguous(), kb = blocks.to(at::kFloat);
+  at::Tensor out = at::empty({T, n}, qc.options());
+#ifdef __AVX512F__
   if (T > 0 && n > 0 && kb.stride(2) == 1 && tandem::dots::with_chunks(D, [&](auto nc) {
         constexpr int NC = decltype(nc)::value;
         const float *qp = qc.data_ptr<float>(), *bp = kb.data_ptr<float>();
@@ -67,9 +67,12 @@ at::Tensor block_scores(const at::Tensor& q, const at::Tensor& blocks) {
       }))
     return out;
 #endif
-  const at::Tensor qg = q.to(at::kFloat).view({T, KVH, group, D});
-  return at::einsum("tkgd,kbd->tkgb", {qg, blocks.to(at::kFloat)}).relu().sum({1, 2}) /
-         std::sqrt(static_cast<double>(D));
+  // Without AVX-512, or at a head dim with_chunks lacks: torch's product, one query at a time. A
+  // batched product's additions follow its shape, so a query beside others (a verify block) could
+  // score other bits than alone (its decode row) and select another block at a near-tie.
+  const at::Tensor qg = qc.view({T, KVH, group, D});
+  for (int64_t t = 0; t < T; ++t) out[t] = at::einsum("kgd,kbd->kgb", {qg[t], kb}).relu().sum({0, 1});
+  return out.div_(std::sqrt(static_cast<double>(D)));
 }
 
 }  // namespace
