@@ -24,6 +24,7 @@ from engine.model.kv_cache import KernelView, KVCache
 from engine.model.layer_spec import LayerSpec, trunk_specs
 from engine.model.mlp import MLP
 from engine.model.norm import RMSNorm
+from engine.model import qwen4_exp
 from engine.model.qwen4_exp import Qwen4ExpLayer, StreamMixer
 from engine.model.rope import rope_table
 from engine.ops import kernels
@@ -155,11 +156,13 @@ def fused_layers(layers: list[DecoderLayer], x: torch.Tensor, batch: ForwardBatc
     q to the probe): those run module by module. QSA layers take the call too, with their specs
     and the cache's pooled keys, and linear-attention layers with their states. cos, sin: [N, R],
     R the rotary dims."""
-    if not kernels.usable(x) or batch.probes is not None or len(batch.slots) != batch.num_tokens:
-        return None
-    a = stack_args(layers, cache, x.dtype)
-    if a is None or (a.linear is not None and batch.rope_positions is not None) or batch.num_tokens > a.max_rows \
+    if not kernels.usable(x) or batch.probes is not None or len(batch.slots) != batch.num_tokens \
             or any(layer._forward_pre_hooks or layer._forward_hooks for layer in layers):
+        return None
+    if isinstance(layers[0], Qwen4ExpLayer):
+        return qwen4_exp.fused_layers(layers, x, batch, cos, sin, cache)
+    a = stack_args(layers, cache, x.dtype)
+    if a is None or (a.linear is not None and batch.rope_positions is not None) or batch.num_tokens > a.max_rows:
         return None
     return kernels.decoder_layers(x, a.weights, a.k, a.v, a.k_scales, a.v_scales, a.kpools, a.ratios, a.budgets,
                                   batch.slots, batch.positions, cos, sin, a.heads, a.kv_heads, a.eps,

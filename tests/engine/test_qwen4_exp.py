@@ -272,3 +272,42 @@ def test_a_verify_block_past_the_budget_reads_only_the_union_of_its_queries_sele
     spec = next(s for s in model.specs if s.is_qsa)
     blocks = [keys for t, keys in read if t == 4]
     assert blocks and all(spec.budget < keys < len(ref.tokens) for keys in blocks)
+
+
+@pytest.fixture(scope="module")
+def ple_inside(tmp_path_factory):
+    """The tiny model with its n-gram embedding on its third layer: the stack kernel runs the layers
+    before it and from it in two calls, the embedding added between them."""
+    from engine.cli.tiny import tiny_config, write_tiny_model
+    return write_tiny_model(tiny_config("qwen4_exp", ple_layer_ids=[3]), tmp_path_factory.mktemp("ple3"), seed=1)
+
+
+@pytest.mark.parametrize("settings, stack_steps", [({}, 10), ({"cache_type": "q8_0"}, 5), ({"kv_unified": True}, 10)])
+def test_decode_steps_through_the_stack_kernel_give_the_modules_numbers(ple_inside, monkeypatch, settings, stack_steps):
+    # Two slots decode side by side, slot 1 four positions behind: both within the QSA budget (2 blocks
+    # of 4) for 5 steps, then slot 0 past it while slot 1 is not (the modules take those steps), then
+    # both past it, each selecting its blocks (the kernel's, where K and V are f32; a q8_0 cache's
+    # selected rows are the modules'). Every step's logits are the modules' to the bit.
+    from engine.engine import Engine
+    from engine.model import qwen4_exp
+    from engine.settings import EngineConfig
+    fused, alone = (Engine.load(EngineConfig(model=str(ple_inside), ctx_size=128, parallel=2, **settings))
+                    for _ in range(2))
+    kernel, taken, use_kernel = qwen4_exp.fused_layers, [], [True]
+    monkeypatch.setattr(qwen4_exp, "fused_layers",
+                        lambda *args: taken.append(kernel(*args)) or taken[-1] if use_kernel[0] else None)
+    prompts = [[(7 * i + 3) % 300 + 5 for i in range(6)], [9, 17]]
+    logits = {}
+    with torch.inference_mode():
+        for use_kernel[0], e in ((True, fused), (False, alone)):
+            assert all(e.cache.ensure(s, 32) for s in range(2))  # a unified pool's pages taken
+            e.model(ForwardBatch.build([Row(s, 0, p) for s, p in enumerate(prompts)]), e.cache)
+            positions, tokens, out = [len(p) for p in prompts], [11, 12], []
+            for _ in range(14):
+                step = e.model.logits(e.model(ForwardBatch.build(
+                    [Row(s, positions[s], [tokens[s]]) for s in range(2)]), e.cache))
+                out.append(step)
+                tokens, positions = step.argmax(-1).tolist(), [p + 1 for p in positions]
+            logits[use_kernel[0]] = out
+    assert sum(t is not None for t in taken) == stack_steps
+    assert all(torch.equal(a, b) for a, b in zip(logits[True], logits[False]))

@@ -30,6 +30,10 @@ at::Tensor mlp(const at::Tensor& x, const Weights& w, int64_t i, bool q8) {
                            "experts_rows");
 }
 
+}  // namespace
+
+namespace tandem {
+
 at::Tensor experts_rows(const at::Tensor& x, const Weights& weights, int64_t top_k, bool norm_top_k, bool q8) {
   TORCH_CHECK(x.dim() == 2, "experts_rows: x [N, hidden] expected, got ", x.sizes());
   const int64_t count = (static_cast<int64_t>(weights.size()) - EXPERTS) / PER_EXPERT, N = x.size(0);
@@ -74,10 +78,10 @@ at::Tensor experts_rows(const at::Tensor& x, const Weights& weights, int64_t top
   return out;
 }
 
-}  // namespace
+}  // namespace tandem
 
 TORCH_LIBRARY_FRAGMENT(tandem, m) {
   m.def("experts_rows(Tensor x, Tensor?[] weights, int top_k, bool norm_top_k, bool q8_activations=False) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(tandem, CPU, m) { m.impl("experts_rows", experts_rows); }
+TORCH_LIBRARY_IMPL(tandem, CPU, m) { m.impl("experts_rows", tandem::experts_rows); }

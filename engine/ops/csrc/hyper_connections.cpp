@@ -43,6 +43,10 @@ at::Tensor mean_over_streams(const at::Tensor& mixing, const at::Tensor& normed,
   return mixed;
 }
 
+}  // namespace
+
+namespace tandem {
+
 // x [N, streams * hidden] -> (the block's input [N, hidden], the normed streams [N, streams * hidden]);
 // weights: the down and up maps' (weight, scale, bias).
 std::tuple<at::Tensor, at::Tensor> hyper_mix(const at::Tensor& x, const at::Tensor& norm_weight, const Weights& weights,
@@ -84,7 +88,7 @@ at::Tensor hyper_inject(const at::Tensor& x, const at::Tensor& normed, const at:
   return result;
 }
 
-}  // namespace
+}  // namespace tandem
 
 TORCH_LIBRARY_FRAGMENT(tandem, m) {
   m.def("hyper_mix(Tensor x, Tensor norm_weight, Tensor?[] weights, int streams, float eps, bool q8_activations=False) "
@@ -94,6 +98,6 @@ TORCH_LIBRARY_FRAGMENT(tandem, m) {
 }
 
 TORCH_LIBRARY_IMPL(tandem, CPU, m) {
-  m.impl("hyper_mix", hyper_mix);
-  m.impl("hyper_inject", hyper_inject);
+  m.impl("hyper_mix", tandem::hyper_mix);
+  m.impl("hyper_inject", tandem::hyper_inject);
 }

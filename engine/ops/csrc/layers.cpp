@@ -28,6 +28,7 @@
 #include <cstring>
 #include <vector>
 
+#include "kv_rows.h"
 #include "tandem.h"
 
 namespace {
@@ -65,43 +66,9 @@ at::Tensor mlp(const at::Tensor& x, const Weights& w, int64_t b, double eps, boo
 }
 
 using tandem::Layout;
-
-// A layer's K or V cache [S, KVH, C, D] (a pool's [1, KVH, P, D]): floats, or q8_0 values with their
-// scales (tandem::check_q8).
-struct Store {
-  at::Tensor data;
-  c10::optional<at::Tensor> scales;
-
-  // pick(data) as f32, pick applied alike to a q8_0 layer's values and scales.
-  template <typename F>
-  at::Tensor floats(F&& pick) const {
-    return scales.has_value() ? tandem::dequantize_q8(pick(data), pick(*scales)) : pick(data).to(at::kFloat);
-  }
-};
-
-// Where slot s's position l of kv head g lies in t (a cache layer's data or scales), in elements.
-int64_t offset(const at::Tensor& t, const Layout& at, int64_t s, int64_t g, int64_t l) {
-  return at.head_offset(t, s, g) + at.row(s, l) * t.stride(2);
-}
-
-// Row n's key or value heads (x: [N, KVH, D], a view of the qkv rows) into the cache at slot
-// slots[n], position positions[n]; into a q8_0 layer quantized as Q8Storage writes them.
-void write_cache(const at::Tensor& x, Store& cache, const int64_t* slots, const int64_t* positions, const Layout& at) {
-  const int64_t N = x.size(0), KVH = x.size(1), D = x.size(2);
-  for (int64_t n = 0; n < N; ++n)
-    for (int64_t g = 0; g < KVH; ++g) {
-      const int64_t from = n * x.stride(0) + g * x.stride(1), to = offset(cache.data, at, slots[n], g, positions[n]);
-      if (cache.scales.has_value()) {
-        at::Tensor& scales = *cache.scales;
-        tandem::quantize_q8_row(x.data_ptr<float>() + from, cache.data.data_ptr<int8_t>() + to,
-                                scales.data_ptr<at::Half>() + offset(scales, at, slots[n], g, positions[n]), D);
-      } else {
-        const int64_t e = x.element_size();
-        std::memcpy(static_cast<char*>(cache.data.data_ptr()) + to * e,
-                    static_cast<const char*>(x.data_ptr()) + from * e, D * e);
-      }
-    }
-}
+using tandem::Store;
+using tandem::offset;
+using tandem::write_cache;
 
 // Pooled keys [S, KVH, C / ratio, D] f32 of a QSA layer (a pool's: [1, KVH, P / ratio, D]): block
 // p / ratio of slot slots[n] for each row n whose position p ends its block, from the keys now in
@@ -331,6 +298,10 @@ at::Tensor decoder_layers(const at::Tensor& hidden, const Weights& weights, cons
   return x;
 }
 
+}  // namespace
+
+namespace tandem {
+
 // One linear-attention layer's mixer over h [N, hidden], each token a row (decode, verify) at
 // positions[n] of slot slots[n]: a family whose layers are not decoder_layers' (Qwen4-Exp) runs its
 // Gated DeltaNet in one call. weights: the input projection's and out_proj's (weight, scale, bias);
@@ -352,7 +323,7 @@ at::Tensor gated_delta_mixer(const at::Tensor& h, const Weights& weights, const 
                           positions.to(at::kLong).contiguous(), eps, q8_activations, sigmoid_gate);
 }
 
-}  // namespace
+}  // namespace tandem
 
 TORCH_LIBRARY_FRAGMENT(tandem, m) {
   m.def("decoder_layers(Tensor hidden, Tensor?[] weights, Tensor[] k_cache, Tensor[] v_cache, Tensor?[] k_scales, "
@@ -365,5 +336,5 @@ TORCH_LIBRARY_FRAGMENT(tandem, m) {
 
 TORCH_LIBRARY_IMPL(tandem, CPU, m) {
   m.impl("decoder_layers", decoder_layers);
-  m.impl("gated_delta_mixer", gated_delta_mixer);
+  m.impl("gated_delta_mixer", tandem::gated_delta_mixer);
 }

@@ -21,6 +21,10 @@ namespace {
 
 constexpr int64_t BLOCKS = 32;  // blocks a work item scores: 32 x 128 f32 keys, 16 KB, stay in L1
 
+}  // namespace
+
+namespace tandem {
+
 at::Tensor block_scores(const at::Tensor& q, const at::Tensor& blocks) {
   TORCH_CHECK(q.dim() == 3 && blocks.dim() == 3 && q.size(2) == blocks.size(2) && blocks.size(0) > 0 &&
                   q.size(1) % blocks.size(0) == 0,
@@ -75,8 +79,8 @@ at::Tensor block_scores(const at::Tensor& q, const at::Tensor& blocks) {
   return out.div_(std::sqrt(static_cast<double>(D)));
 }
 
-}  // namespace
+}  // namespace tandem
 
 TORCH_LIBRARY_FRAGMENT(tandem, m) { m.def("block_scores(Tensor q, Tensor blocks) -> Tensor"); }
 
-TORCH_LIBRARY_IMPL(tandem, CPU, m) { m.impl("block_scores", block_scores); }
+TORCH_LIBRARY_IMPL(tandem, CPU, m) { m.impl("block_scores", tandem::block_scores); }

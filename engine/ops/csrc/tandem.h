@@ -5,6 +5,8 @@
 
 #include <ATen/ATen.h>
 
+#include <tuple>
+
 namespace tandem {
 
 // Elementwise steps between the products of a kernel (elementwise.cpp), computed as torch's CPU
@@ -114,5 +116,35 @@ at::Tensor gated_delta_rows(const at::Tensor& proj, int64_t key_dim, const at::T
                             const at::Tensor& A, const at::Tensor& dt_bias, const at::Tensor& k_head,
                             at::Tensor conv_store, at::Tensor state_store, const at::Tensor& slots,
                             const at::Tensor& positions);
+
+// One query q [H, D] f32 against the keys and values at rows[0 .. m-1] of a slot's storage k, v
+// [KVH, rows, D] f32 (last axis contiguous) -> [H, D] (attention.cpp): a QSA query past its budget.
+at::Tensor attend_at(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& rows,
+                     double scale);
+
+// QSA's block scores (qsa.cpp): q [T, H, D], blocks [KVH, n, D] -> [T, n] f32, each query's the
+// same numbers whatever other queries share the call.
+at::Tensor block_scores(const at::Tensor& q, const at::Tensor& blocks);
+
+// A hyper-connection's halves (hyper_connections.cpp): x [N, streams * hidden] -> (the block's input
+// [N, hidden], the normed streams), weights the down and up maps' (weight, scale, bias); and x with
+// the block's output `out` injected into each stream, weights the inject map's.
+std::tuple<at::Tensor, at::Tensor> hyper_mix(const at::Tensor& x, const at::Tensor& norm_weight,
+                                             const c10::List<c10::optional<at::Tensor>>& weights, int64_t streams,
+                                             double eps, bool q8);
+at::Tensor hyper_inject(const at::Tensor& x, const at::Tensor& normed, const at::Tensor& out,
+                        const c10::List<c10::optional<at::Tensor>>& weights, int64_t streams, bool q8);
+
+// A mixture-of-experts MLP over x [N, hidden] (experts.cpp): weights the router's, the shared
+// expert's gate and MLP, then each routed expert's gate_up and down, as (weight, scale, bias).
+at::Tensor experts_rows(const at::Tensor& x, const c10::List<c10::optional<at::Tensor>>& weights, int64_t top_k,
+                        bool norm_top_k, bool q8);
+
+// A Gated DeltaNet layer's mixer over h [N, hidden], each token a row (layers.cpp): weights the
+// input projection's and out_proj's (weight, scale, bias); tensors its convolution, A, dt_bias,
+// k_head, gated norm weight and its stores conv and state, as decoder_layers takes them.
+at::Tensor gated_delta_mixer(const at::Tensor& h, const c10::List<c10::optional<at::Tensor>>& weights,
+                             const c10::List<c10::optional<at::Tensor>>& tensors, const at::Tensor& slots,
+                             const at::Tensor& positions, double eps, bool sigmoid_gate, bool q8_activations);
 
 }  // namespace tandem
