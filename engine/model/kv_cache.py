@@ -22,6 +22,7 @@ from engine.files.model_config import ModelConfig
 from engine.model.layer_spec import DENSE, LayerSpec
 from engine.model.qsa import block_means
 from engine.model.recurrent_cache import RecurrentCache
+from engine.ops import arena
 from engine.settings import PAGE_SIZE, EngineConfig
 
 # q8_0 is named by torch.int8 here; the cache stores it as Q8Storage, which reads back as float32.
@@ -42,8 +43,8 @@ class Q8Storage:
     def __init__(self, shape: tuple[int, ...], device: torch.device | str = "cpu"):
         head_dim = shape[-1]
         self.block = Q8_BLOCK if head_dim % Q8_BLOCK == 0 else head_dim
-        self.q = torch.zeros(shape, dtype=torch.int8, device=device)
-        self.scale = torch.zeros((*shape[:-1], head_dim // self.block), dtype=torch.float16, device=device)
+        self.q = arena.zeros(shape, torch.int8, device)
+        self.scale = arena.zeros((*shape[:-1], head_dim // self.block), torch.float16, device)
 
     @property
     def nbytes(self) -> int:
@@ -117,7 +118,7 @@ def _slot_rows(store, slot: int, positions: torch.Tensor) -> torch.Tensor:
 
 
 def _storage(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor | Q8Storage:
-    return Q8Storage(shape, device) if dtype == torch.int8 else torch.zeros(shape, dtype=dtype, device=device)
+    return Q8Storage(shape, device) if dtype == torch.int8 else arena.zeros(shape, dtype, device)
 
 
 def _nbytes(stores) -> int:
@@ -159,9 +160,9 @@ class _Stores:
         """An indexed QSA layer's raw indexer keys, [rows, index_dim] f32 by the flat position row
         `_rows` gives, and its block keys, [rows // ratio, index_dim] by a block's first row // ratio;
         None for other layers."""
-        self.ikeys = [torch.zeros(rows, spec.index_dim, device=device) if spec.index_dim else None
+        self.ikeys = [arena.zeros((rows, spec.index_dim), device=device) if spec.index_dim else None
                       for spec, device in zip(self.specs, self.devices)]
-        self.iblocks = [torch.zeros(rows // spec.ratio, spec.index_dim, device=device) if spec.index_dim else None
+        self.iblocks = [arena.zeros((rows // spec.ratio, spec.index_dim), device=device) if spec.index_dim else None
                         for spec, device in zip(self.specs, self.devices)]
 
     def write_index_keys(self, layer: int, slot: int, start: int, keys: torch.Tensor) -> None:

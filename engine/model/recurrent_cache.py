@@ -23,6 +23,7 @@ from typing import Sequence
 import torch
 
 from engine.files.model_config import LinearAttention, NgramEmbedding
+from engine.ops import arena
 
 SNAPSHOTS = 2  # per slot: where the last request's prompt ended, and where its answer ended
 
@@ -48,8 +49,8 @@ class RecurrentCache:
         tail = (linear.conv_kernel - 1, linear.conv_dim)
         state = (linear.num_v_heads, linear.k_head_dim, linear.v_head_dim)
         # Per layer [slots, steps, ...] and the snapshots' copies [slots, SNAPSHOTS, ...], f32.
-        self.conv = [torch.zeros(num_slots, steps, *tail, device=d) for d in devices]
-        self.state = [torch.zeros(num_slots, steps, *state, device=d) for d in devices]
+        self.conv = [arena.zeros((num_slots, steps, *tail), device=d) for d in devices]
+        self.state = [arena.zeros((num_slots, steps, *state), device=d) for d in devices]
         self.snap_conv = [torch.zeros(num_slots, SNAPSHOTS, *tail, device=d) for d in devices]
         self.snap_state = [torch.zeros(num_slots, SNAPSHOTS, *state, device=d) for d in devices]
         self.snap_hidden = torch.zeros(num_slots, SNAPSHOTS, hidden)

@@ -14,7 +14,7 @@ from engine.model.batch import ForwardBatch, Row
 from engine.model.kv_cache import KV_DTYPES, KVCache, PagedKVCache, Q8Storage, recurrent_cache
 from engine.model.layer_spec import trunk_specs as model_specs
 from engine.model.transformer import Transformer
-from engine.ops import blocks, kernels, quant
+from engine.ops import arena, blocks, kernels, quant
 from engine.ops.arena import move_to_huge_pages
 from tests.engine.block_samples import READ_ONLY, sample_blocks, widths
 from tests.engine.test_parity import tiny_config
@@ -357,6 +357,15 @@ def test_huge_page_block_keeps_every_weight():
     x = torch.randn(2, 576)
     with torch.inference_mode():  # the kernels serve inference; autograd takes torch's ops
         assert torch.equal(layers[0](x), kernels.linear_rows(x, before[0], layers[0].scale, None))
+
+
+def test_a_cache_of_a_huge_page_or_more_lies_on_its_own_huge_page_aligned_zeros():
+    big, small = arena.zeros((2, 1024, 256)), arena.zeros((4, 8), torch.int8)
+    assert big.shape == (2, 1024, 256) and big.dtype == torch.float32 and not big.any()
+    assert big.data_ptr() % arena.HUGE_PAGE == 0  # its own block, from a huge page's start
+    assert small.dtype == torch.int8 and not small.any()  # too small to take a huge page: torch's memory
+    big[1, 3, 5] = 2.0  # writable, and one tensor
+    assert big.sum() == 2.0
 
 
 @pytest.mark.parametrize("dtype", ["f32", "int8", "q4_1"])
