@@ -63,20 +63,21 @@ def step_parts(system: TandemSystem, context: int, verify: int) -> dict[str, tup
                                                              for l in ls]),
                                    sum(weight_bytes(l) for l in linears))
     hidden = torch.randn(1, model.config.hidden_size)
+    residual = torch.randn(1, model.config.residual_width)  # what the layers take: a family's streams side by side
     all_linears = sum(weight_bytes(l) for ls in linears_by_kind(layers).values() for l in ls)
     batch = ForwardBatch.build([Row(0, context, [0])])  # one decode token of slot 0 at position `context`
     rotary = model.config.rotary_dim
     cos, sin = torch.ones(1, rotary), torch.zeros(1, rotary)
     with torch.inference_mode():
-        fused = fused_layers(layers, hidden, batch, cos, sin, cache) is not None
-    if fused:  # the Llama-shaped families: attention and the layers' one kernel call timed alone
+        fused = fused_layers(layers, residual, batch, cos, sin, cache) is not None
+    if fused:  # the families whose decode step is one call: attention and that call timed alone
         attention = [layer for layer in layers if layer.self_attn is not None]
         a = attention[0].self_attn
         q = torch.randn(1, a.heads, a.head_dim)
         slots, lengths = torch.zeros(1, dtype=torch.long), torch.full((1,), context, dtype=torch.long)
         parts["attention"] = (lambda: [kernels.decode_attention(q, cache.k[layer.index], cache.v[layer.index], slots,
                                                                 lengths, a.head_dim ** -0.5) for layer in attention], 0)
-        parts["decoder layers (one call)"] = ((lambda: fused_layers(layers, hidden, batch, cos, sin, cache)),
+        parts["decoder layers (one call)"] = ((lambda: fused_layers(layers, residual, batch, cos, sin, cache)),
                                               all_linears)
         parts["lm_head"] = ((lambda: model.lm_head(hidden)), weight_bytes(model.lm_head))
     # A whole step's forward and logits for one decode row, and for a verify row of 1 + `verify`

@@ -30,3 +30,12 @@ def test_step_profile_gives_each_part_its_time_and_weight_bytes(tmp_path, capsys
         assert re.search(r"^rest of the step\s+-?[\d.]+", text, re.M)
         assert re.search(r"^a verify row of 1 \+ 3 tokens costs [\d.]+x a decode row", text, re.M)
     assert mb["q4_1"] < mb["int8"]
+
+
+def test_a_model_of_residual_streams_has_its_layers_one_call_timed(tmp_path, capsys):
+    # Qwen4-Exp's layers take hc_count streams side by side: its one call is timed on those.
+    model = write_tiny_model(tiny_config("qwen4_exp"), tmp_path, seed=0)
+    assert main(["-m", str(model), "--dtypes", "f32", "--reps", "2", "--tg", "4", "--context", "16", "-t", "1"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"^decoder layers \(one call\)\s+[\d.]+\s+\d+%", out, re.M)
+    assert re.search(r"^a verify row of 1 \+ 3 tokens costs [\d.]+x a decode row", out, re.M)
