@@ -10,7 +10,6 @@ in their order: the same numbers without the interpreter between them (`fused_la
 """
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass
 
 import torch
@@ -90,20 +89,12 @@ class _Stack:
         return True
 
 
-# Per cache, its stacks' _Stack (None: the stack cannot take the call), by (first layer's id, layers, dtype).
-_STACKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def fused_layers(layers: list[Qwen4ExpLayer], x: torch.Tensor, batch: ForwardBatch, cos: torch.Tensor,
-                 sin: torch.Tensor, cache: KVCache) -> torch.Tensor | None:
-    """x [N, hc * hidden] through the layers in Qwen4ExpLayers calls (an n-gram embedding, between
-    them, added by its module), when the step is the kernel's (`_Stack.takes`); None when it is
-    not. The caller has checked the kernels, probes and hooks. cos, sin: [N, R]."""
-    key = (id(layers[0]), len(layers), x.dtype)
-    stacks = _STACKS.setdefault(cache, {})
-    if key not in stacks:
-        stacks[key] = _build_stack(layers, cache, x.dtype)
-    stack = stacks[key]
+def fused_layers(stack: _Stack | None, x: torch.Tensor, batch: ForwardBatch, cos: torch.Tensor, sin: torch.Tensor,
+                 cache: KVCache) -> torch.Tensor | None:
+    """x [N, hc * hidden] through a stack of layers (`build_stack`'s) in Qwen4ExpLayers calls (an
+    n-gram embedding, between them, added by its module), when the step is the kernel's
+    (`_Stack.takes`); None when it is not. The caller has checked the kernels, probes and hooks.
+    cos, sin: [N, R]."""
     if stack is None or not stack.takes(batch, x.shape[0]):
         return None
     for ple, index, run in stack.runs:
@@ -121,7 +112,7 @@ def _weight(m: nn.Module | None) -> torch.Tensor | None:
     return None if m is None else m.weight
 
 
-def _build_stack(layers: list[Qwen4ExpLayer], cache: KVCache, dtype: torch.dtype) -> _Stack | None:
+def build_stack(layers: list[Qwen4ExpLayer], cache: KVCache, dtype: torch.dtype) -> _Stack | None:
     # attend_at reads f32 rows; a QSA layer without the model's indexer (--compress-ratios) pools
     # attention keys, which the kernel does not.
     if dtype != torch.float32 or any(layer.self_attn is not None and layer.spec.is_qsa and

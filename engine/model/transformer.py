@@ -114,16 +114,17 @@ class StackArgs:
     max_rows: int  # the most rows the layers' linear kernels take
 
 
-# Per cache, its stacks' StackArgs (None: the stack cannot take the call), by (first layer's id,
-# layers, dtype).
+# Per cache, what each of its stacks' one call reads (StackArgs, or a family's own; None: the stack
+# cannot take the call), by (first layer's id, layers, dtype).
 _STACKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def stack_args(layers: list[DecoderLayer], cache: KVCache, dtype: torch.dtype) -> StackArgs | None:
+def stack_args(layers: list[nn.Module], cache: KVCache, dtype: torch.dtype, build=None):
+    """build(layers, cache, dtype) once per stack and cache (default: decoder_layers' StackArgs)."""
     key = (id(layers[0]), len(layers), dtype)
     stacks = _STACKS.setdefault(cache, {})
     if key not in stacks:
-        stacks[key] = _build_stack_args(layers, cache, dtype)
+        stacks[key] = (build or _build_stack_args)(layers, cache, dtype)
     return stacks[key]
 
 
@@ -160,7 +161,8 @@ def fused_layers(layers: list[DecoderLayer], x: torch.Tensor, batch: ForwardBatc
             or any(layer._forward_pre_hooks or layer._forward_hooks for layer in layers):
         return None
     if isinstance(layers[0], Qwen4ExpLayer):
-        return qwen4_exp.fused_layers(layers, x, batch, cos, sin, cache)
+        return qwen4_exp.fused_layers(stack_args(layers, cache, x.dtype, qwen4_exp.build_stack), x, batch, cos, sin,
+                                      cache)
     a = stack_args(layers, cache, x.dtype)
     if a is None or (a.linear is not None and batch.rope_positions is not None) or batch.num_tokens > a.max_rows:
         return None

@@ -113,6 +113,7 @@ struct Layer {
   int64_t ratio, keep;
   bool q8_mixer, q8_o, q8_index, q8_experts;
   Store k, v;
+  Layout layout;  // where a slot's positions lie in k, v and the indexer's stores
   at::Tensor index_keys, index_blocks;
 };
 
@@ -148,6 +149,7 @@ class Qwen4ExpLayers : public torch::CustomClassHolder {
         layer.k = Store{need(stores, s + K, l), stores.get(s + K_SCALE)};
         layer.v = Store{need(stores, s + V, l), stores.get(s + V_SCALE)};
         tandem::check_pages(layer.k.data, pages_, OP);
+        layer.layout = Layout::of(layer.k.data, pages_);  // the page table is updated in place, never replaced
         if (layer.ratio) {
           layer.index_keys = need(stores, s + INDEX_KEYS, l);
           layer.index_blocks = need(stores, s + INDEX_BLOCKS, l);
@@ -199,15 +201,14 @@ class Qwen4ExpLayers : public torch::CustomClassHolder {
     const at::Tensor q = qk.narrow(1, 0, H), k = qk.narrow(1, H, KVH), v = qkv.narrow(1, H + KVH, KVH);
     const int64_t* sp = s.data_ptr<int64_t>();
     const int64_t* pp = p.data_ptr<int64_t>();
-    const Layout layout = Layout::of(layer.k.data, pages_);
     int64_t past = 0;  // rows that see more complete blocks than the layer keeps
     for (int64_t n = 0; n < N; ++n) {
       tandem::check_rows(pages_, sp[n], pp[n] + 1, layer.k.data.size(2), OP);
       past += layer.ratio && (pp[n] + 1) / layer.ratio > layer.keep;
     }
     TORCH_CHECK(past == 0 || past == N, OP, ": a QSA layer's rows must all be within its budget or all past it");
-    write_cache(k, layer.k, sp, pp, layout);
-    write_cache(v, layer.v, sp, pp, layout);
+    write_cache(k, layer.k, sp, pp, layer.layout);
+    write_cache(v, layer.v, sp, pp, layer.layout);
     const double scale = std::pow(static_cast<double>(D), -0.5);  // as Python's head_dim ** -0.5 rounds
     const bool sparse = past > 0;
     at::Tensor out;
@@ -268,9 +269,8 @@ class Qwen4ExpLayers : public torch::CustomClassHolder {
                                     at::arange(complete * r, pos + 1, index)});
     const int64_t c = pages_.has_value() ? 0 : s;
     if (pages_.has_value()) {
-      const Layout layout = Layout::of(layer.k.data, pages_);
       int64_t* pp = positions.data_ptr<int64_t>();
-      for (int64_t i = 0, m = positions.numel(); i < m; ++i) pp[i] = layout.row(s, pp[i]);
+      for (int64_t i = 0, m = positions.numel(); i < m; ++i) pp[i] = layer.layout.row(s, pp[i]);
     }
     return tandem::attend_at(q, layer.k.data[c], layer.v.data[c], positions, scale);
   }
@@ -279,7 +279,7 @@ class Qwen4ExpLayers : public torch::CustomClassHolder {
   // _rows and _block_rows: slot-major, (s C + b r) / r = s C / r + b, a slot's first row's block
   // row plus b, as read_index_blocks reads them).
   int64_t key_row(const Layer& layer, int64_t s, int64_t pos) const {
-    return pages_.has_value() ? Layout::of(layer.k.data, pages_).row(s, pos) : s * layer.k.data.size(2) + pos;
+    return pages_.has_value() ? layer.layout.row(s, pos) : s * layer.k.data.size(2) + pos;
   }
   int64_t block_row(const Layer& layer, int64_t s, int64_t b) const { return key_row(layer, s, b * layer.ratio) / layer.ratio; }
 
