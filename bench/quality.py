@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from engine.files.nearest_format import stored_formats
 from engine.files.tokenizer import Tokenizer
 from engine.files.weights import open_model
 from engine.model.batch import ForwardBatch, Row
@@ -87,7 +88,7 @@ def measure(model_name: str, systems: list[str], ctx: int, chunks: int, text: Pa
         # keeps blocks (a K-quant in the nearest block format the kernels read).
         tensors = files.load_tensors(keep_blocks=keeps_blocks(dtype))
         model = Transformer(files.config, tensors, dtype, max_positions=ctx)
-        use_activations(model, resolve_activations(activations, dtype))
+        use_activations(model, resolve_activations(activations, dtype, stored_formats(files)))
         readings[system] = scored_logprobs(model, parts)
     ref, targets = readings[REFERENCE]
     return [compare(s, readings[s][0], targets, ref) for s in readings]

@@ -7,9 +7,11 @@ import os
 import platform
 from pathlib import Path
 
-# What the kernels' 8-bit activation path is compiled for (engine/ops/csrc/linear.cpp, -march=native):
-# VNNI's u8 x s8 dot products and AVX-512's byte ops.
+# What the kernels' 8-bit activation paths are compiled for (engine/ops/csrc/linear.cpp, -march=native):
+# VNNI's u8 x s8 dot products and AVX-512's byte ops, for every block format; or AVX2's vpmaddubsw,
+# for the 32-weight blocks (there the K-quants keep f32 activations).
 Q8_ACTIVATION_FLAGS = ("avx512f", "avx512bw", "avx512_vnni", "avx512vbmi")
+Q8_ACTIVATION_FLAGS_AVX2 = ("avx2", "fma", "f16c")
 
 
 @functools.cache
@@ -36,7 +38,8 @@ def flags() -> str:
 
 
 def has_q8_activations() -> bool:
-    return set(Q8_ACTIVATION_FLAGS) <= set(flags().split())
+    have = set(flags().split())
+    return set(Q8_ACTIVATION_FLAGS) <= have or set(Q8_ACTIVATION_FLAGS_AVX2) <= have
 
 
 # The flags that decide which kernels a host runs (and llama.cpp's): named beside every benchmark figure.

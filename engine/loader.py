@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.files.nearest_format import stored_formats
 from engine.files.tokenizer import Tokenizer
 from engine.files.weights import ModelFiles
 from engine.footprint import DeviceUsage, measure
@@ -75,10 +76,10 @@ def load_parts(config: EngineConfig, headers: Headers, rank: Rank | None, descri
                                model.embed_tokens if here else None, model.head_logits)
     del tensors
     resident = drafter.resident() if drafter is not None else None  # a draft model and its cache
-    activations = resolve_activations(config.activations, config.dtype)
+    activations = resolve_activations(config.activations, config.dtype, stored_formats(files))
     q8_layers = use_activations(model, activations) + (use_activations(resident[0], activations) if resident else 0)
     log.info("loaded %s (%s, %s) in %.1f s", files.path, mc.family, config.dtype, time.perf_counter() - t0)
-    log.info("activations: %s", f"8-bit for {q8_layers} block-weight layers (AVX-512 VNNI)" if q8_layers
+    log.info("activations: %s", f"8-bit for {q8_layers} block-weight layers" if q8_layers
              else "f32")
     formats = model.weight_formats()
     log.info("weights: %s", describe_formats(formats))

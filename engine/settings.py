@@ -198,7 +198,8 @@ class EngineConfig:
             (self.activations != "q8" or self.dtype in BLOCK_DTYPES, "activations", self.activations,
              f"8-bit activations multiply block weights: dtype must be one of {', '.join(BLOCK_DTYPES)}, got {self.dtype}"),
             (self.activations != "q8" or cpu.has_q8_activations(), "activations", self.activations,
-             f"8-bit activations need a CPU with {', '.join(cpu.Q8_ACTIVATION_FLAGS)}; this one lacks them "
+             f"8-bit activations need a CPU with {', '.join(cpu.Q8_ACTIVATION_FLAGS)} or with "
+             f"{', '.join(cpu.Q8_ACTIVATION_FLAGS_AVX2)}; this one lacks them "
              "(auto takes f32 here)"),
             (self.cache_type is None or self.cache_type in KV_CACHE_TYPES, "cache_type", self.cache_type, kv_types),
             (self.cache_type_v is None or self.cache_type_v in KV_CACHE_TYPES, "cache_type_v", self.cache_type_v,

@@ -4,7 +4,6 @@ context size it adds the KV cache's and the pooled keys' bytes per layer kind.""
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 
 from engine.errors import TandemError
@@ -13,8 +12,8 @@ from engine.files.model_config import (FULL_ATTENTION, LINEAR_ATTENTION, cache_b
 from engine.model.recurrent_cache import SNAPSHOTS
 from engine.files.weights import ModelFiles, open_model
 from engine.model.kv_cache import KV_BYTES_PER_VALUE, KV_DTYPES
-from engine.files.nearest_format import served, served_bytes
-from engine.ops.quant import BYTES_PER_WEIGHT, FormatUse, describe_formats, tally
+from engine.files.nearest_format import stored_formats
+from engine.ops.quant import BYTES_PER_WEIGHT, describe_formats
 from engine.settings import DTYPES, CompressRatios
 
 
@@ -24,20 +23,6 @@ def _size(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return ""
-
-
-def stored_formats(files: ModelFiles) -> dict[str, FormatUse]:
-    """The model's tensors per format under --dtype auto, from the headers: a GGUF file's quantized
-    matrices in the block format they load in (engine/files/nearest_format.py; an untied embedding
-    aside: it is read in f32), the rest f32."""
-    untied_embedding = None if files.config.tie_word_embeddings else "model.embed_tokens.weight"
-
-    def entries():
-        for name, shape in (files.expected_shapes() if files.has_trunk else files.mtp_shapes()).items():
-            kind, nbytes = files.stored.get(name, (None, 0))
-            fmt = served(kind, shape) if len(shape) == 2 and name != untied_embedding else None
-            yield (fmt, 1, served_bytes(kind, shape, nbytes)) if fmt else ("f32", 1, 4 * math.prod(shape))
-    return tally(entries())
 
 
 def _hybrid_lines(files: ModelFiles, c) -> list[str]:

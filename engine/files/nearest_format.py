@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from engine.ops import blocks
+from engine.ops.quant import FormatUse, tally
 
 
 def served(kind: int | None, shape: tuple[int, ...]) -> str | None:
@@ -35,3 +36,18 @@ def convert(data: np.ndarray, kind, rows: int, cols: int) -> torch.Tensor:
     blocks.GGUF_TYPES) -> uint8 q8_0 blocks [rows, cols / 32 * 34]."""
     import gguf
     return blocks.quantize(torch.from_numpy(gguf.quants.dequantize(data, kind).reshape(rows, cols)), "q8_0")
+
+
+def stored_formats(files) -> dict[str, FormatUse]:
+    """A ModelFiles' tensors per format under --dtype auto, from the headers: a GGUF file's quantized
+    matrices in the block format they load in (served, above; an untied embedding aside: it is read
+    in f32), the rest f32. (Not annotated: engine/files/weights.py reads its files through this
+    module, which does not import it back.)"""
+    untied_embedding = None if files.config.tie_word_embeddings else "model.embed_tokens.weight"
+
+    def entries():
+        for name, shape in (files.expected_shapes() if files.has_trunk else files.mtp_shapes()).items():
+            kind, nbytes = files.stored.get(name, (None, 0))
+            fmt = served(kind, shape) if len(shape) == 2 and name != untied_embedding else None
+            yield (fmt, 1, served_bytes(kind, shape, nbytes)) if fmt else ("f32", 1, 4 * math.prod(shape))
+    return tally(entries())

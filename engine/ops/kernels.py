@@ -69,8 +69,16 @@ def _ops():
 
 @functools.cache
 def q8_activations_supported() -> bool:
-    """Whether the kernels were built with their 8-bit activation path (AVX-512 VNNI and VBMI)."""
+    """Whether the kernels were built with an 8-bit activation path (AVX-512 VNNI and VBMI, or AVX2)."""
     return available() and torch.ops.tandem.q8_activations_supported()
+
+
+@functools.cache
+def q8_activations_cover(fmt: str) -> bool:
+    """Whether 8-bit activations reach the products of block format `fmt`: every format with AVX-512
+    VNNI and VBMI; with AVX2, the 32-weight blocks, the K-quants' super-blocks keeping f32 activations."""
+    from engine.ops.blocks import SUPER_BYTES
+    return q8_activations_supported() and (fmt not in SUPER_BYTES or torch.ops.tandem.q8_super_blocks_supported())
 
 
 def linear_rows(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None,

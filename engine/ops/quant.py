@@ -15,6 +15,7 @@ torch's matmul takes over (int8 and blocks through a dequantized copy of the wei
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -134,11 +135,15 @@ class Linear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
-def resolve_activations(choice: str, dtype: str) -> str:
-    """What --activations (checked by EngineConfig) means for a model loaded under `dtype`: "auto" is
-    q8 where the weights are blocks and the kernels have the 8-bit path, f32 elsewhere."""
+def resolve_activations(choice: str, dtype: str, formats: Iterable[str] = ()) -> str:
+    """What --activations (checked by EngineConfig) means for a model loaded under `dtype` whose file
+    holds `formats` (engine.files.nearest_format.stored_formats): "auto" is q8 where the weights are
+    blocks and the kernels' 8-bit path reaches every format, f32 elsewhere. On AVX2 the K-quants keep
+    f32 activations (kernels.q8_activations_cover), so a file with them stays f32 as a whole: its
+    32-weight blocks alone under q8 gave greedy tokens neither the f32 path's nor llama-server's."""
     if choice == "auto":
-        return "q8" if keeps_blocks(dtype) and kernels.q8_activations_supported() else "f32"
+        covered = all(kernels.q8_activations_cover(f) for f in formats)
+        return "q8" if keeps_blocks(dtype) and kernels.q8_activations_supported() and covered else "f32"
     if choice == "q8" and not kernels.q8_activations_supported():  # the CPU has them, the build does not
         log.warning("--activations q8: tandem's kernels are not built with their 8-bit path here; f32 instead")
         return "f32"

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from engine.files.nearest_format import stored_formats
 from engine.ops.quant import compute_dtype, keeps_blocks, resolve_activations, use_activations
 from engine.pipeline.ranks import join
 from engine.pipeline.transport import HEARTBEAT_S, LinkError, Op, Pending
@@ -251,7 +252,8 @@ def draft_main(config, headers, rank) -> int:
                            config.ctx_per_slot, headers.draft_ratios, placement.draft_device)
     del tensors
     if drafter.resident() is not None:
-        use_activations(drafter.resident()[0], resolve_activations(config.activations, config.dtype))
+        use_activations(drafter.resident()[0], resolve_activations(config.activations, config.dtype,
+                                                                    stored_formats(headers.files)))
     log.info("the draft (rank %d of %d): %s on %s loaded", rank.rank, rank.world, config.spec.type,
              placement.draft_device)
     join(rank, placement)

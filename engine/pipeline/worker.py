@@ -6,6 +6,7 @@ import logging
 
 import torch
 
+from engine.files.nearest_format import stored_formats
 from engine.model.batch import ForwardBatch
 from engine.model.kv_cache import cache_for
 from engine.model.layer_spec import trunk_specs
@@ -29,9 +30,10 @@ class WorkerStage:
     holds theirs only."""
 
     def __init__(self, config, tensors: dict[str, torch.Tensor], layers: range, device: str, dtype: str,
-                 engine_config):
+                 engine_config, activations: str):
         """config: the model's ModelConfig; tensors: at least those of `layers`; engine_config: the
-        EngineConfig, for the cache's slots, size, types and layout (the head's own)."""
+        EngineConfig, for the cache's slots, size, types and layout (the head's own); activations:
+        "f32" or "q8", as the head resolved them for the whole file."""
         renamed = {}
         for i in layers:
             prefix = f"model.layers.{i}."
@@ -43,7 +45,7 @@ class WorkerStage:
         self.cos, self.sin = cos.to(compute_dtype(dtype)), sin.to(compute_dtype(dtype))
         self.stage = Stage([decoder_layer(config, renamed, i, dtype, spec, (self.cos, self.sin), layers.start + i)
                             for i, spec in enumerate(specs)], device, False, False)
-        use_activations(self.stage, resolve_activations(c.activations, dtype))
+        use_activations(self.stage, activations)
         move_to_huge_pages(self.stage)
         self.cache = cache_for(c, config, specs, [device] * len(specs), layers)
 
@@ -95,7 +97,9 @@ def worker_main(config, headers, rank) -> int:
         torch.set_num_threads(config.threads)
     mc, placement = headers.model, headers.placement
     layers, device = placement.stage_ranges()[rank.rank], placement.devices[rank.rank]
-    stage = WorkerStage(mc, headers.files.load_tensors(layers, ends=False, keep_blocks=keeps_blocks(config.dtype)), layers, device, config.dtype, config)
+    tensors = headers.files.load_tensors(layers, ends=False, keep_blocks=keeps_blocks(config.dtype))
+    activations = resolve_activations(config.activations, config.dtype, stored_formats(headers.files))
+    stage = WorkerStage(mc, tensors, layers, device, config.dtype, config, activations)
     log.info("pipeline stage %d (rank %d of %d): layers %d..%d on %s loaded, KV cache %.0f MiB", rank.rank,
              rank.rank, rank.stages, layers.start, layers.stop - 1, device, stage.cache.nbytes / 2**20)
     link = Link(rank.rank, rank.stages, mc.residual_width, compute_dtype(config.dtype), join(rank, placement))

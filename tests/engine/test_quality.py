@@ -71,7 +71,7 @@ def test_weight_format_keeps_quality(reading, f32_reading, dtype, min_agreement,
     assert abs(change) <= max_ppl_change, f"{dtype} perplexity {ppl:.3f} vs f32 {ref_ppl:.3f}: {100 * change:+.2f}%"
 
 
-@pytest.mark.skipif(not cpu.has_q8_activations(), reason="the host lacks AVX-512 VNNI, which 8-bit activations need")
+@pytest.mark.skipif(not cpu.has_q8_activations(), reason="the host lacks AVX-512 VNNI and AVX2, one of which 8-bit activations need")
 def test_8_bit_activations_keep_quality(reading, f32_reading):
     ids, config, _ = reading
     model = Transformer(config, open_model("default").load_tensors(keep_blocks=True), "auto", max_positions=len(ids))

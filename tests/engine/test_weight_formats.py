@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine import cpu
-from engine.cli.validate import stored_formats
+from engine.files.nearest_format import stored_formats
 from engine.errors import ConfigError
 from engine.engine import Engine
 from engine.model.batch import ForwardBatch, Row
@@ -78,7 +78,7 @@ def test_greedy_in_two_slots_with_the_mtp_draft_equals_f32_greedy(default_engine
     assert sum(auto_engine.stats.accepted_at) > 0, "no draft was accepted: verification never ran"
 
 
-@pytest.mark.skipif(not cpu.has_q8_activations(), reason="the host lacks AVX-512 VNNI: auto takes f32 (tested above)")
+@pytest.mark.skipif(not cpu.has_q8_activations(), reason="the host lacks AVX-512 VNNI and AVX2: auto takes f32 (tested above)")
 def test_with_8_bit_activations_two_drafting_slots_give_the_tokens_of_one_plain_request():
     spec = SpecConfig(pacing=False, type="draft-mtp", draft_model=str(MTP_DRAFT), n_max=3, p_min=0.0)
     drafting = Engine.load(EngineConfig(model="default", dtype="auto", activations="q8", ctx_size=2 * 1024,

@@ -314,6 +314,7 @@ template <typename S>
 void super_rows(const S* w, const float* x, int64_t M, int64_t N, int64_t K, const float* bias, float* out, int64_t ldo,
                 bool q8) {
   const int64_t ldw = K / QK_K;
+  // Without AVX-512 VNNI (AVX2's 8-bit path takes the 32-weight blocks only) q8 reads x as f32.
 #ifdef TANDEM_Q8_ACTIVATIONS
   if (q8) {
     const QuantizedRows q = quantize_rows(x, M, K / QK, RowSums{!HAS_MINS<S>, 0, false});

@@ -18,6 +18,7 @@
 #include "row_tiles.h"
 #include "tandem.h"
 
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -684,6 +685,127 @@ void block(const B* w, int64_t ldw, const float* x, int64_t K, const float*, con
     for (int j = 0; j < M; ++j) out[j * ldo + i] = epilogue(hsum(acc[i][j]), scale, bias, i);
 }
 
+// ---- 8-bit activations on AVX2 (docs/architecture.md, "Weight formats": "8-bit activations") ----
+//
+// x quantized per block of 32 as the AVX-512 path quantizes it (the same q_x and f16-rounded d_x),
+// and each block's product an exact integer dot product: vpmaddubsw multiplies 32 u8 by 32 s8 into
+// 16 pairwise sums, vpmaddwd adds those into 8 int32 lanes. Its first operand is unsigned, so a
+// format of signed weights (q4_0, q5_0, q8_0: q - offset) gives it |w| and moves w's sign onto
+// q_x (llama.cpp's way: a pair is then at most 2 x 128 x 127, no int16 saturation), and a format
+// of d u + m gives it u (at most 31) and adds m d_x sum q_x apart. The f32 path widens, converts
+// and multiplies each weight instead: on Zen 3 a decode row of a cold q8_0 matrix streamed at
+// 12-15 GB/s that way, its compute the bound. Each output is the same sum in the same order
+// whatever rows and channels share its tile, so a verify row equals the decode row it stands for.
+#define TANDEM_Q8_AVX2 1
+
+// M rows of x as 8-bit blocks: q [M, nb * 32] int8, dx [M, nb] the f16-rounded d_x, sx [M, nb]
+// d_x sum q_x (for the formats with a minimum).
+struct Q8Blocks {
+  const int8_t* q;
+  const float* dx;
+  const float* sx;
+};
+
+inline Q8Blocks quantize_blocks(const float* x, int64_t M, int64_t nb) {
+  thread_local std::vector<int8_t> q;
+  thread_local std::vector<float> dx, sx;
+  q.resize(M * nb * QK);
+  dx.resize(M * nb);
+  sx.resize(M * nb);
+  int8_t* qp = q.data();  // the buffers are this thread's: the workers write through pointers
+  float *dp = dx.data(), *sp = sx.data();
+  at::parallel_for(0, M, std::max<int64_t>(1, 4096 / (nb * QK)), [&](int64_t begin, int64_t end) {
+    const __m256 sign = _mm256_set1_ps(-0.f);
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // undoes the packs' lane interleave
+    for (int64_t r = begin * nb; r < end * nb; ++r) {
+      const float* xb = x + r * QK;
+      __m256 v[4];
+      __m256 top = _mm256_setzero_ps();
+      for (int t = 0; t < 4; ++t) top = _mm256_max_ps(top, _mm256_andnot_ps(sign, v[t] = _mm256_loadu_ps(xb + 8 * t)));
+      __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
+      m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+      const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+      const float d = amax / 127.f, id = d != 0.f ? 1.f / d : 0.f;
+      __m256i n[4];
+      for (int t = 0; t < 4; ++t) n[t] = _mm256_cvtps_epi32(_mm256_mul_ps(v[t], _mm256_set1_ps(id)));
+      const __m256i total = _mm256_add_epi32(_mm256_add_epi32(n[0], n[1]), _mm256_add_epi32(n[2], n[3]));
+      const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(n[0], n[1]), _mm256_packs_epi32(n[2], n[3]));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(qp + r * QK), _mm256_permutevar8x32_epi32(bytes, order));
+      __m128i t4 = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
+      t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, _MM_SHUFFLE(1, 0, 3, 2)));
+      t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, _MM_SHUFFLE(2, 3, 0, 1)));
+      dp[r] = _cvtsh_ss(_cvtss_sh(d, _MM_FROUND_TO_NEAREST_INT));
+      sp[r] = dp[r] * static_cast<float>(_mm_cvtsi128_si32(t4));
+    }
+  });
+  return {qp, dp, sp};
+}
+
+// A block's 32 weights as bytes in weight order: q - offset, signed, or (q4_1, q5_1) q, unsigned.
+inline __m256i nibble_bytes(const uint8_t* qs) {
+  const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)), lo4 = _mm_set1_epi8(0x0F);
+  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), lo4), _mm_and_si128(q, lo4));
+}
+inline __m256i weight_bytes(const BlockQ8_0& b) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b.qs)); }
+inline __m256i weight_bytes(const BlockQ4_0& b) { return _mm256_sub_epi8(nibble_bytes(b.qs), _mm256_set1_epi8(8)); }
+inline __m256i weight_bytes(const BlockQ4_1& b) { return nibble_bytes(b.qs); }
+inline __m256i weight_bytes(const BlockQ5_0& b) { return centred_q5(b); }
+inline __m256i weight_bytes(const BlockQ5_1& b) { return bytes_q5(b); }
+
+// out[j, i] = the product of w's channel i with quantized row j0 + j, for R channels and M rows.
+// Each channel's row is read whole before the next's, so that the weights stream in address order
+// (the blocks of 4 channels interleaved streamed a cold q8_0 decode row at 11 GB/s on Zen 3, this
+// way 17).
+template <int R, int M, typename B>
+void q8_block(const B* w, int64_t ldw, const Q8Blocks& x, int64_t j0, const float* bias, float* out, int64_t ldo) {
+  __m256 acc[R][M];
+  float minima[R][M] = {};
+  for (int i = 0; i < R; ++i)
+    for (int j = 0; j < M; ++j) acc[i][j] = _mm256_setzero_ps();
+  const __m256i ones = _mm256_set1_epi16(1);
+  constexpr int LINE_BLOCKS = 64 / sizeof(B) >= 2 ? 2 : 1;
+#pragma GCC unroll 8
+  for (int i = 0; i < R; ++i) {
+    for (int64_t b = 0; b < ldw; ++b) {
+      if (b % LINE_BLOCKS == 0)
+        _mm_prefetch(reinterpret_cast<const char*>(w + (i + PREFETCH * R) * ldw + b), _MM_HINT_T0);
+      const B& block = w[i * ldw + b];
+      const __m256i wb = weight_bytes(block);
+      const __m256i u = HAS_MIN<B> ? wb : _mm256_sign_epi8(wb, wb);
+      const float d = half(block.d);
+      for (int j = 0; j < M; ++j) {
+        const int64_t at = (j0 + j) * ldw + b;
+        const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + at * QK));
+        const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(u, HAS_MIN<B> ? q : _mm256_sign_epi8(q, wb)), ones);
+        acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(d * x.dx[at]), acc[i][j]);
+        // One rounding, whatever the tile: the compiler may not fuse a * b + c in one tile and not another.
+        if constexpr (HAS_MIN<B>) minima[i][j] = std::fma(half(block.m), x.sx[at], minima[i][j]);
+      }
+    }
+  }
+  for (int i = 0; i < R; ++i)
+    for (int j = 0; j < M; ++j) out[j * ldo + i] = epilogue(hsum(acc[i][j]) + minima[i][j], nullptr, bias, i);
+}
+
+template <typename B>
+void q8_run(const B* w, int64_t ldw, const float* x, int64_t M, int64_t N, int64_t K, const float* bias, float* out,
+            int64_t ldo) {
+  const Q8Blocks q = quantize_blocks(x, M, ldw);
+  const auto run = [&](auto nr, auto mr) {
+    constexpr int64_t MR = decltype(mr)::value;
+    tiles<decltype(nr)::value, MR>(M, N, K, [&](auto r, int64_t n0, int64_t m0, int64_t m) {
+      with_rows<MR>(m, [&](auto rows) {
+        q8_block<decltype(r)::value, decltype(rows)::value>(w + n0 * ldw, ldw, q, m0, offset_by(bias, n0),
+                                                             out + m0 * ldo + n0, ldo);
+      });
+    });
+  };
+  // 16 registers, as the f32 path's tiles: 4 channels x 1-2 rows, 2 x 3-4, 1 x 8.
+  if (M <= 2) return run(std::integral_constant<int, 4>{}, std::integral_constant<int64_t, 2>{});
+  if (M <= 4) return run(std::integral_constant<int, 2>{}, std::integral_constant<int64_t, 4>{});
+  run(std::integral_constant<int, 1>{}, std::integral_constant<int64_t, 8>{});
+}
+
 #else
 
 // Portable fallback, same contract: correct everywhere, fast where the compiler vectorizes it.
@@ -822,8 +944,16 @@ void dequantize_rows(const B* w, int64_t N, int64_t nb, float* out) {
 
 namespace tandem {
 
-bool q8_activations_supported() {
+bool q8_super_blocks_supported() {
 #ifdef TANDEM_Q8_ACTIVATIONS
+  return true;
+#else
+  return false;
+#endif
+}
+
+bool q8_activations_supported() {
+#if defined(TANDEM_Q8_ACTIVATIONS) || defined(TANDEM_Q8_AVX2)
   return true;
 #else
   return false;
@@ -837,7 +967,7 @@ void block_rows(const float* xp, int64_t M, int64_t K, const at::Tensor& weight,
   if (weight.dim() == 3) return super_block_rows(xp, M, K, weight, bias, out, ldo, q8_activations);
   const int64_t nb = K / QK, n = weight.size(0);
   with_blocks(block_bytes(weight, K, "linear_rows"), weight.data_ptr<uint8_t>(), [&](auto w) {
-#ifdef TANDEM_Q8_ACTIVATIONS
+#if defined(TANDEM_Q8_ACTIVATIONS) || defined(TANDEM_Q8_AVX2)
     if (q8_activations) return q8_run(w, nb, xp, M, n, K, bias, out, ldo);
 #endif
     run(w, nb, xp, M, n, K, nullptr, bias, out, ldo);
@@ -898,7 +1028,7 @@ at::Tensor linear_rows(const at::Tensor& x, const at::Tensor& weight, const c10:
   TORCH_CHECK(weight.is_contiguous(), "linear_rows: weight must be contiguous");
   TORCH_CHECK(!stacked || scale.has_value(), "linear_rows: a stacked weight needs its layout in the scale's place");
   TORCH_CHECK(!blocks || !q8_activations || q8_activations_supported(),
-              "linear_rows: 8-bit activations need AVX-512 VNNI and VBMI, which this build lacks");
+              "linear_rows: 8-bit activations need AVX-512 VNNI and VBMI, or AVX2 with FMA and F16C, which this build lacks");
   const int64_t M = x.size(0), K = x.size(1);
   const std::vector<at::Tensor> parts = stacked ? stacked_parts(weight, *scale, K) : std::vector<at::Tensor>{weight};
   int64_t N = 0;
@@ -943,6 +1073,7 @@ at::Tensor linear_at(const at::Tensor& x, const c10::List<c10::optional<at::Tens
 TORCH_LIBRARY_FRAGMENT(tandem, m) {
   m.def("linear_rows(Tensor x, Tensor weight, Tensor? scale, Tensor? bias, bool q8_activations=False) -> Tensor");
   m.def("q8_activations_supported() -> bool", &tandem::q8_activations_supported);
+  m.def("q8_super_blocks_supported() -> bool", &tandem::q8_super_blocks_supported);
   m.def("dequantize_blocks(Tensor weight, int cols, Tensor? layout=None) -> Tensor");
 }
 
