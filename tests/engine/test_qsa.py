@@ -158,13 +158,15 @@ def test_a_lone_querys_positions_are_its_row_of_the_selection_mask(position):
 
 
 @pytest.mark.parametrize("kernel", [True, False])
-@pytest.mark.parametrize("heads, kv_heads, d, n", [(8, 1, 128, 4096), (9, 3, 64, 37), (4, 2, 80, 1), (4, 2, 48, 37)])
+@pytest.mark.parametrize("heads, kv_heads, d, n", [(8, 1, 128, 4096), (9, 3, 64, 37), (4, 2, 80, 1), (4, 2, 48, 37),
+                                                    (4, 2, 36, 37)])
 def test_block_scores_are_the_definition_and_a_querys_own_whatever_rows_share_the_call(heads, kv_heads, d, n, kernel,
                                                                                         monkeypatch):
     # The scores: sum over heads of relu(q . block) / sqrt(d), as the einsum of the definition to
     # rounding; and a query's scores the same bits alone (a decode row) as beside others (a verify
-    # block, a prompt chunk), so both select the same blocks. Through the kernel (head dim 48: its
-    # portable path) and through torch's ops (kernels unusable: no compiler, another device).
+    # block, a prompt chunk), so both select the same blocks. Through the kernel (AVX-512 at head
+    # dims 64, 80, 128, AVX2 at multiples of 8; head dim 36, and 48 with AVX-512: its portable path)
+    # and through torch's ops (kernels unusable: no compiler, another device).
     if not kernel:
         monkeypatch.setattr(qsa.kernels, "usable", lambda x=None: False)
     g = torch.Generator().manual_seed(n)

@@ -17,6 +17,10 @@
 
 #include "dots.h"
 
+#if defined(__AVX2__) && !defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 namespace {
 
 constexpr int64_t BLOCKS = 32;  // blocks a work item scores: 32 x 128 f32 keys, 16 KB, stay in L1
@@ -70,8 +74,34 @@ at::Tensor block_scores(const at::Tensor& q, const at::Tensor& blocks) {
         });
       }))
     return out;
+#elif defined(__AVX2__) && defined(__FMA__)
+  // AVX2: each product in 8 lanes, D / 8 fused multiply-adds reduced in one fixed order. torch's
+  // product one query at a time took about 1 ms of a QSA layer's 16k decode row on Zen 3.
+  if (T > 0 && n > 0 && kb.stride(2) == 1 && D % 8 == 0) {
+    const float *qp = qc.data_ptr<float>(), *bp = kb.data_ptr<float>();
+    const int64_t head_stride = kb.stride(0), row_stride = kb.stride(1);
+    const float root = std::sqrt(static_cast<float>(D));
+    float* op = out.data_ptr<float>();
+    at::parallel_for(0, (n + BLOCKS - 1) / BLOCKS, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t b = begin * BLOCKS; b < std::min(n, end * BLOCKS); ++b)
+        for (int64_t t = 0; t < T; ++t) {
+          float sum = 0.f;
+          for (int64_t h = 0; h < H; ++h) {
+            const float* qh = qp + (t * H + h) * D;
+            const float* key = bp + h / group * head_stride + b * row_stride;
+            __m256 acc = _mm256_mul_ps(_mm256_loadu_ps(qh), _mm256_loadu_ps(key));
+            for (int64_t d = 8; d < D; d += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(qh + d), _mm256_loadu_ps(key + d), acc);
+            __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+            s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+            sum += std::max(_mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s))), 0.f);
+          }
+          op[t * n + b] = sum / root;
+        }
+    });
+    return out;
+  }
 #endif
-  // Without AVX-512, or at a head dim with_chunks lacks: torch's product, one query at a time. A
+  // Without AVX-512 or AVX2, or at a head dim they lack: torch's product, one query at a time. A
   // batched product's additions follow its shape, so a query beside others (a verify block) could
   // score other bits than alone (its decode row) and select another block at a near-tie.
   const at::Tensor qg = qc.view({T, KVH, group, D});
