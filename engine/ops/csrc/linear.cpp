@@ -92,11 +92,14 @@ inline void widen(const BlockQ5_1& b, float* out) {
 // A q5_0 or q5_1 block's 32 5-bit q as bytes, in weight order (both the AVX-512 and AVX2 products
 // widen these): the nibbles, and over them the 32 fifth bits spread to one byte each (byte k
 // takes bit k of qh).
+// A 4-bit block's 16 bytes as its 32 nibbles, one a byte, in weight order (low nibbles first).
+inline __m256i nibble_bytes(const uint8_t* qs) {
+  const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)), lo4 = _mm_set1_epi8(0x0F);
+  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), lo4), _mm_and_si128(q, lo4));
+}
 template <typename B>
 inline __m256i bytes_q5(const B& b) {
-  const __m128i lo4 = _mm_set1_epi8(0x0F);
-  const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b.qs));
-  const __m256i nib = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), lo4), _mm_and_si128(q, lo4));
+  const __m256i nib = nibble_bytes(b.qs);
   const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(high_bits(b))),
                                              _mm256_setr_epi64x(0, 0x0101010101010101, 0x0202020202020202, 0x0303030303030303));
   const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201));
@@ -742,10 +745,6 @@ inline Q8Blocks quantize_blocks(const float* x, int64_t M, int64_t nb) {
 }
 
 // A block's 32 weights as bytes in weight order: q - offset, signed, or (q4_1, q5_1) q, unsigned.
-inline __m256i nibble_bytes(const uint8_t* qs) {
-  const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)), lo4 = _mm_set1_epi8(0x0F);
-  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), lo4), _mm_and_si128(q, lo4));
-}
 inline __m256i weight_bytes(const BlockQ8_0& b) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b.qs)); }
 inline __m256i weight_bytes(const BlockQ4_0& b) { return _mm256_sub_epi8(nibble_bytes(b.qs), _mm256_set1_epi8(8)); }
 inline __m256i weight_bytes(const BlockQ4_1& b) { return nibble_bytes(b.qs); }
